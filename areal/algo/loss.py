@@ -1,0 +1,169 @@
+"""Decoupled PPO loss (AReaL eq. 5) and its statistics.
+
+Per token t of a sample with advantage A (DESIGN section 5):
+
+    ratio_t = u_t = exp(logp - prox_logp)        # ratio to the proximal policy, carries grad
+    w_t           = exp(prox_logp - behav_logp)  # behaviour importance weight, no grad
+    pg_loss_t     = -w_t * min(u_t * A, clip(u_t, 1 - eps_clip_low, 1 + eps_clip_high) * A)
+
+With ``decoupled=False`` it is standard PPO with ``logp_old = behav_logp``: ``u_t =
+exp(logp - behav_logp)``, ``w_t = 1``, no cap, ``prox_logp`` unused.
+
+Invariants:
+- All tensors are flat ``[N]`` over tokens; ``mask`` is bool or 0/1 float.
+- Only ``logp`` carries gradient; ``prox_logp``, ``behav_logp``, ``adv`` are treated as constants.
+- A token with ``w_t > behav_imp_weight_cap`` is dropped from the loss (not clipped).
+- ``loss = sum over kept tokens / loss_denominator``; the caller passes the loss-mask token count
+  of the whole batch, so micro-batch losses add up to the batch mean.
+- Tokens outside the mask never influence the loss, its gradient or the stats, even if they hold
+  inf or NaN. An all-masked input gives loss 0 that is still connected to ``logp``'s graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "PPOLossConfig",
+    "PPOLossOutput",
+    "loglinear_prox_logp",
+    "ppo_loss",
+    "reduce_loss_stats",
+]
+
+
+@dataclass(frozen=True)
+class PPOLossConfig:
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2  # asymmetric allowed (DAPO clip-higher)
+    behav_imp_weight_cap: float | None = 5.0  # None = no cap
+    decoupled: bool = True  # False: standard PPO with logp_old = behav_logp
+
+
+@dataclass
+class PPOLossOutput:
+    loss: torch.Tensor  # scalar, differentiable: sum over kept tokens / loss_denominator
+    n_tokens: int  # tokens in mask
+    n_kept: int  # tokens in mask and not dropped by the imp-weight cap
+    clip_count: float  # kept tokens where the clipped branch was taken
+    approx_kl_sum: float  # sum over kept tokens of (old_logp - logp), k1 estimator
+    imp_weight_sum: float  # sum of w_t over masked tokens (before cap masking)
+    imp_weight_max: float  # max of w_t over masked tokens (0 when none)
+    n_imp_masked: int  # tokens dropped because w_t > cap
+
+
+def ppo_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: PPOLossConfig,
+    loss_denominator: float,
+) -> PPOLossOutput:
+    """Decoupled (or standard) PPO clipped surrogate over flat ``[N]`` token tensors."""
+    n = logp.shape[0]
+    for name, t in (("prox_logp", prox_logp), ("behav_logp", behav_logp), ("adv", adv)):
+        if t.shape != logp.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
+    if logp.dim() != 1 or mask.shape != (n,):
+        raise ValueError(
+            f"expected flat [N] tensors, got logp {tuple(logp.shape)}, mask {tuple(mask.shape)}"
+        )
+    m = mask.bool()  # [N]
+    behav = behav_logp.detach()
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+
+    if cfg.decoupled:
+        old_logp = prox_logp.detach()
+        w = torch.exp(torch.where(m, old_logp - behav, zero))  # [N], 1 outside mask
+        imp_masked = (
+            m & (w > cfg.behav_imp_weight_cap)
+            if cfg.behav_imp_weight_cap is not None
+            else torch.zeros_like(m)
+        )
+    else:
+        old_logp = behav
+        w = torch.ones_like(logp).detach()
+        imp_masked = torch.zeros_like(m)
+    kept = m & ~imp_masked  # [N]
+
+    # Sanitise before exp so non-kept tokens can neither overflow nor leak NaN into the grad.
+    log_ratio = torch.where(kept, logp - old_logp, zero)  # [N]
+    ratio = torch.exp(log_ratio)
+    a = torch.where(kept, adv.detach().to(logp.dtype), zero)
+    pg_loss1 = -a * ratio
+    pg_loss2 = -a * torch.clamp(ratio, 1.0 - cfg.eps_clip_low, 1.0 + cfg.eps_clip_high)
+    pg_loss = torch.maximum(pg_loss1, pg_loss2)  # = -min(u*A, clip(u)*A)
+    w_kept = torch.where(kept, w, zero)
+    per_token = w_kept * pg_loss  # [N], exactly 0 outside kept
+
+    n_kept = int(kept.sum().item())
+    if loss_denominator <= 0:
+        if n_kept > 0:
+            raise ValueError(
+                f"loss_denominator must be > 0 when tokens are kept, got {loss_denominator}"
+            )
+        loss_denominator = 1.0
+    loss = per_token.sum() / loss_denominator
+
+    with torch.no_grad():
+        clipped = kept & (pg_loss2 > pg_loss1)
+        approx_kl = torch.where(kept, old_logp - logp.detach(), zero)
+        w_in_mask = torch.where(m, w, zero)
+        n_tokens = int(m.sum().item())
+        return PPOLossOutput(
+            loss=loss,
+            n_tokens=n_tokens,
+            n_kept=n_kept,
+            clip_count=float(clipped.sum().item()),
+            approx_kl_sum=float(approx_kl.sum().item()),
+            imp_weight_sum=float(w_in_mask.sum().item()),
+            imp_weight_max=float(w_in_mask.max().item()) if n_tokens > 0 else 0.0,
+            n_imp_masked=int(imp_masked.sum().item()),
+        )
+
+
+def reduce_loss_stats(outs: Sequence[PPOLossOutput]) -> dict[str, float]:
+    """Combine micro-batch outputs of one step; every value is finite, 0 when there is no token.
+
+    ``loss`` is the sum of micro-batch losses (each already divided by the batch token count);
+    ``clipfrac`` and ``approx_kl`` are per kept token; imp-weight stats are per masked token.
+    """
+    n_tokens = sum(o.n_tokens for o in outs)
+    n_kept = sum(o.n_kept for o in outs)
+
+    def frac(num: float, den: int) -> float:
+        return float(num) / den if den > 0 else 0.0
+
+    return {
+        "loss": float(sum(float(o.loss.detach().item()) for o in outs)),
+        "clipfrac": frac(sum(o.clip_count for o in outs), n_kept),
+        "approx_kl": frac(sum(o.approx_kl_sum for o in outs), n_kept),
+        "behav_imp_weight_mean": frac(sum(o.imp_weight_sum for o in outs), n_tokens),
+        "behav_imp_weight_max": max((o.imp_weight_max for o in outs), default=0.0),
+        "behav_imp_weight_masked_frac": frac(sum(o.n_imp_masked for o in outs), n_tokens),
+        "n_tokens": float(n_tokens),
+    }
+
+
+def loglinear_prox_logp(
+    behav_logp: torch.Tensor,
+    logp_theta: torch.Tensor,
+    behav_versions: torch.Tensor,
+    current_version: int,
+) -> torch.Tensor:
+    """Approximate ``prox_logp`` by log-linear interpolation in policy version (AReaL-lite).
+
+    ``prox = behav + alpha * (logp_theta - behav)`` with ``alpha = (v_prox - v_behav) /
+    (v_theta - v_behav)``, ``v_prox = current_version``, ``v_theta = current_version + 1``:
+    a token of the current version gets alpha 0 (prox = behav), one version old alpha 1/2,
+    k versions old k / (k + 1). alpha is clamped to [0, 1]. The result carries no gradient.
+    """
+    behav = behav_logp.detach()
+    lag = (current_version - behav_versions).to(behav.dtype)  # [N], v_prox - v_behav
+    alpha = (lag.clamp(min=0.0) / (lag + 1.0).clamp(min=1.0)).clamp(0.0, 1.0)
+    return behav + alpha * (logp_theta.detach() - behav)

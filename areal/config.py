@@ -1,0 +1,228 @@
+"""Run configuration: pydantic-settings models composed from shared parts.
+
+Precedence (highest first): `--set key=value` overrides, environment (`AREAL_...`, `__` for
+nesting, e.g. `AREAL_ALGO__MAX_STALENESS=2`), the YAML file, defaults. Every field has a
+description, a unit where it has one, and bounds; a bad config fails at start naming the field
+and the fix (`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+_YAML_DATA: contextvars.ContextVar[dict] = contextvars.ContextVar("areal_yaml", default={})
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NatsSettings(_Part):
+    url: str | None = Field(
+        None, description="NATS server URL; None starts an embedded nats-server (areal run only)"
+    )
+    ack_wait_s: float = Field(30.0, gt=1, description="JetStream ack wait (s); leases heartbeat at 1/3")
+    max_deliver: int = Field(5, ge=1, description="deliveries before a failing message is dead-lettered")
+    memory_storage: bool = Field(False, description="keep streams in memory (faster, not durable)")
+
+
+class ModelSettings(_Part):
+    path: str | None = Field(
+        None, description="local Hugging Face model dir; None = built-in tiny preset (warm-started)"
+    )
+    warm_start_steps: int = Field(
+        300, ge=0, description="supervised steps that warm-start the tiny preset (cached on disk)"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype")
+    device: str = Field("cpu", description="torch device for both engines, e.g. cpu or cuda")
+
+
+class DataSettings(_Part):
+    source: str = Field(
+        "synthetic:arithmetic",
+        description="synthetic:arithmetic | synthetic:running_sum | path to .jsonl / .parquet",
+    )
+    prompt_field: str = Field("prompt", description="prompt field name in JSONL/Parquet records")
+    answer_field: str = Field("answer", description="answer field name in JSONL/Parquet records")
+    task_kwargs: dict[str, Any] = Field(default_factory=dict, description="synthetic task options")
+
+
+class AlgoSettings(_Part):
+    batch_size: int = Field(8, ge=1, description="B: tasks (prompts) per training step")
+    group_size: int = Field(8, ge=1, description="G: samples per task (GRPO group)")
+    max_staleness: int = Field(4, ge=0, description="η: max policy-version lag; 0 = synchronous RL")
+    decoupled: bool = Field(True, description="decoupled PPO (AReaL eq. 5); false = standard PPO")
+    prox_logp: Literal["recompute", "loglinear"] = Field(
+        "recompute", description="how the proximal policy's log-probs are obtained"
+    )
+    eps_clip_low: float = Field(0.2, gt=0, lt=1, description="PPO clip range below 1")
+    eps_clip_high: float = Field(0.2, gt=0, description="PPO clip range above 1")
+    behav_imp_weight_cap: float | None = Field(
+        5.0, gt=1, description="mask tokens whose behaviour importance weight exceeds this"
+    )
+    adv_norm_std: bool = Field(True, description="divide group-centred rewards by the group std")
+    adv_batch_norm: bool = Field(False, description="also normalise advantages over the batch")
+    filter_zero_adv_groups: bool = Field(
+        False, description="drop groups whose rewards are all equal (their slot is returned)"
+    )
+
+
+class RolloutSettings(_Part):
+    engine: Literal["torch", "vllm"] = Field("torch", description="inference engine")
+    max_new_tokens: int = Field(16, ge=1, le=32768, description="generated tokens per sample, max")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    interruptible: bool = Field(
+        True, description="switch weights mid-sample (re-prefill); false = finish on old weights"
+    )
+    max_concurrent_tasks: int = Field(4, ge=1, description="tasks one rollout worker holds at once")
+    max_batch_size: int = Field(64, ge=1, description="sequences decoded together (continuous batch)")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per rollout worker")
+
+
+class RewardSettings(_Part):
+    fn: str | None = Field(
+        None, description="arithmetic | running_sum | math | code | module:function; None = task default"
+    )
+    timeout_s: float = Field(10.0, gt=0, description="per-sample scoring timeout (s)")
+    pool_workers: int = Field(1, ge=1, description="scoring processes per reward worker")
+
+
+class TrainSettings(_Part):
+    engine: Literal["torch", "deepspeed"] = Field("torch", description="training engine")
+    total_steps: int = Field(40, ge=1, description="training steps (policy versions) to run")
+    lr: float = Field(2e-4, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
+    n_minibatches: int = Field(2, ge=1, description="optimizer steps per training step (PPO minibatches)")
+    max_tokens_per_mb: int = Field(4096, ge=16, description="token budget per packed micro-batch")
+    packing: Literal["ffd", "fixed"] = Field("ffd", description="dynamic (ffd) or fixed micro-batches")
+    fixed_mb_size: int = Field(8, ge=1, description="sequences per micro-batch when packing=fixed")
+    checkpoint_every: int = Field(1, ge=1, description="steps between trainer checkpoints")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads for the trainer")
+
+
+class RunSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="AREAL_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    run_id: str = Field("areal", description="namespace of the run on the bus (subjects, streams)")
+    seed: int = Field(0, ge=0, description="seed for data order, sampling and init")
+    out_dir: str = Field("runs/latest", description="metrics.jsonl, summary.json, checkpoints")
+    replicas: dict[Literal["rollout", "reward"], int] = Field(
+        default_factory=lambda: {"rollout": 1, "reward": 1},
+        description="worker processes per role started by `areal run`",
+    )
+    nats: NatsSettings = Field(default_factory=NatsSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    data: DataSettings = Field(default_factory=DataSettings)
+    algo: AlgoSettings = Field(default_factory=AlgoSettings)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    reward: RewardSettings = Field(default_factory=RewardSettings)
+    train: TrainSettings = Field(default_factory=TrainSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlSource(settings_cls))
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunSettings:
+        from schemas.subjects import validate_run_id
+
+        validate_run_id(self.run_id)
+        for role, n in self.replicas.items():
+            if n < 1:
+                raise ValueError(f"replicas.{role} must be >= 1 (got {n})")
+        n_seqs = self.algo.batch_size * self.algo.group_size
+        if self.train.n_minibatches > n_seqs:
+            raise ValueError(
+                f"train.n_minibatches={self.train.n_minibatches} exceeds the "
+                f"{n_seqs} samples of a step (algo.batch_size * algo.group_size)"
+            )
+        if self.model.path is not None and not Path(self.model.path).is_dir():
+            raise ValueError(f"model.path {self.model.path!r} is not a directory")
+        src = self.data.source
+        if not src.startswith("synthetic:") and not Path(src).is_file():
+            raise ValueError(f"data.source {src!r} is neither synthetic:<task> nor an existing file")
+        return self
+
+    def reward_fn_name(self) -> str:
+        from areal.rewards.registry import default_reward_for
+
+        return self.reward.fn or default_reward_for(self.data.source)
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field, field_name):  # pragma: no cover - unused by __call__
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return _YAML_DATA.get()
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`a.b=c` strings -> nested dict; values parsed as YAML scalars (`true`, `3`, `[1,2]`)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set algo.max_staleness=2")
+        key, raw = item.split("=", 1)
+        node = out
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
+    return out
+
+
+def _format_errors(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "<config>"
+        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        fix = f"set it in the YAML or with --set {loc}=..." if loc != "<config>" else "fix the config"
+        lines.append(f"config error: {loc}: {err['msg']}{got}; {fix}")
+    return "\n".join(lines)
+
+
+def load_settings(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunSettings:
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        if p.suffix == ".json":
+            data.pop("resolved_at", None)
+    token = _YAML_DATA.set(data)
+    try:
+        return RunSettings(**parse_overrides(overrides or []))
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None
+    finally:
+        _YAML_DATA.reset(token)
+
+
+def new_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()[:12]}-{os.getpid()}-{uuid.uuid4().hex[:4]}"

@@ -1,0 +1,34 @@
+"""Wire schemas of areal-bus: messages, packed arrays, subject names. A leaf package
+(pydantic + standard library only)."""
+
+from schemas.arrays import PackedArray
+from schemas.messages import (
+    MESSAGE_TYPES,
+    SCHEMA_VERSION,
+    DeadLetter,
+    Event,
+    Message,
+    MetricRecord,
+    Sample,
+    SchemaVersionError,
+    ScoredSample,
+    Task,
+    WeightAnnouncement,
+)
+from schemas.subjects import RunNames
+
+__all__ = [
+    "MESSAGE_TYPES",
+    "SCHEMA_VERSION",
+    "DeadLetter",
+    "Event",
+    "Message",
+    "MetricRecord",
+    "PackedArray",
+    "RunNames",
+    "Sample",
+    "SchemaVersionError",
+    "ScoredSample",
+    "Task",
+    "WeightAnnouncement",
+]

@@ -1,0 +1,183 @@
+"""Wire messages: one pydantic model per message family.
+
+Invariants:
+- every message carries `schema_version`; a reader rejects a version it does not support with a
+  clear error, and ignores unknown fields (so writers may add fields without a version bump);
+- token ids, log-probs and versions are `PackedArray`s (dtype + little-endian bytes);
+- ids are deterministic (task id from run + admission seq; sample id from task id + index), so
+  they double as JetStream `Nats-Msg-Id` for de-duplication and for idempotent handling.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from schemas.arrays import PackedArray
+
+SCHEMA_VERSION = 1
+
+
+class SchemaVersionError(ValueError):
+    pass
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    kind: ClassVar[str] = "message"
+
+    schema_version: int = SCHEMA_VERSION
+
+    @field_validator("schema_version")
+    @classmethod
+    def _supported(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"{cls.kind} message has schema_version {v}, this reader supports "
+                f"{SCHEMA_VERSION}: run every worker of a run with the same areal-bus version"
+            )
+        return v
+
+    def msg_id(self) -> str:
+        """Id used as `Nats-Msg-Id` (JetStream de-duplication)."""
+        raise NotImplementedError
+
+
+class Task(Message):
+    """One prompt to be sampled `group_size` times (a GRPO group)."""
+
+    kind: ClassVar[str] = "task"
+    task_id: str
+    seq: int = Field(ge=0, description="admission sequence number (0-based)")
+    dataset_index: int = Field(ge=0)
+    prompt: str
+    prompt_ids: PackedArray
+    answer: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    group_size: int = Field(ge=1)
+    admitted_version: int = Field(ge=0, description="latest policy version at admission")
+    admitted_at: float = Field(default_factory=time.time)
+
+    def msg_id(self) -> str:
+        return self.task_id
+
+
+def sample_id(task_id: str, sample_idx: int) -> str:
+    return f"{task_id}/{sample_idx}"
+
+
+class Sample(Message):
+    """One finished generation, with per-token behaviour log-probs and policy versions."""
+
+    kind: ClassVar[str] = "sample"
+    task_id: str
+    task_seq: int = Field(ge=0)
+    sample_idx: int = Field(ge=0)
+    group_size: int = Field(ge=1)
+    prompt_ids: PackedArray
+    output_ids: PackedArray
+    behav_logp: PackedArray
+    versions: PackedArray
+    output_text: str = ""
+    answer: str = ""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    finish_reason: str = "stop"
+    worker_id: str = ""
+    n_interrupts: int = Field(default=0, ge=0)
+    n_reprefill_tokens: int = Field(default=0, ge=0)
+    timings: dict[str, float] = Field(default_factory=dict)
+
+    @property
+    def sample_id(self) -> str:
+        return sample_id(self.task_id, self.sample_idx)
+
+    def msg_id(self) -> str:
+        return self.sample_id
+
+    def check_lengths(self) -> None:
+        n = len(self.output_ids)
+        if len(self.behav_logp) != n or len(self.versions) != n:
+            raise ValueError(
+                f"sample {self.sample_id}: output_ids has {n} tokens but behav_logp has "
+                f"{len(self.behav_logp)} and versions {len(self.versions)}"
+            )
+        if self.sample_idx >= self.group_size:
+            raise ValueError(
+                f"sample {self.sample_id}: sample_idx {self.sample_idx} >= group_size "
+                f"{self.group_size}"
+            )
+
+
+class ScoredSample(Message):
+    kind: ClassVar[str] = "scored_sample"
+    sample: Sample
+    reward: float
+    verifier: dict[str, Any] = Field(default_factory=dict, description="scorer detail")
+    reward_worker_id: str = ""
+
+    def msg_id(self) -> str:
+        return self.sample.sample_id
+
+
+class WeightAnnouncement(Message):
+    kind: ClassVar[str] = "weights"
+    version: int = Field(ge=0)
+    uri: str = Field(description="nats-obj://<bucket>/<name> or file:///path")
+    sha256: str
+    nbytes: int = Field(alias="bytes", ge=0)
+    dtype: str = "float32"
+    step: int = Field(default=0, ge=0)
+    published_at: float = Field(default_factory=time.time)
+
+    def msg_id(self) -> str:
+        return f"weights-v{self.version}"
+
+
+class MetricRecord(Message):
+    """A heartbeat or a metrics record from any role (also the trainer's per-step record)."""
+
+    kind: ClassVar[str] = "metric"
+    role: str
+    worker_id: str
+    type: str = Field(description="heartbeat | step | rollout | reward | controller")
+    time: float = Field(default_factory=time.time)
+    values: dict[str, Any] = Field(default_factory=dict)
+
+    def msg_id(self) -> str:
+        return f"{self.worker_id}-{self.type}-{self.time:.6f}"
+
+
+class Event(Message):
+    kind: ClassVar[str] = "event"
+    type: str = Field(description="snake_case event name, e.g. run_finished, task_dropped")
+    role: str
+    worker_id: str = ""
+    time: float = Field(default_factory=time.time)
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+    def msg_id(self) -> str:
+        return f"{self.worker_id}-{self.type}-{self.time:.6f}"
+
+
+class DeadLetter(Message):
+    """A message a stage could not handle, with the error that rejected it."""
+
+    kind: ClassVar[str] = "dead_letter"
+    stage: str
+    reason: str
+    subject: str
+    payload: bytes
+    headers: dict[str, str] = Field(default_factory=dict)
+    worker_id: str = ""
+    time: float = Field(default_factory=time.time)
+
+    def msg_id(self) -> str:
+        return f"dlq-{self.stage}-{self.time:.6f}-{hash(self.payload) & 0xFFFFFFFF:x}"
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    m.kind: m
+    for m in (Task, Sample, ScoredSample, WeightAnnouncement, MetricRecord, Event, DeadLetter)
+}
