@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-_YAML_DATA: contextvars.ContextVar[dict] = contextvars.ContextVar("areal_yaml", default={})
+_YAML_DATA: contextvars.ContextVar[dict | None] = contextvars.ContextVar("areal_yaml", default=None)
 
 
 class ConfigError(ValueError):
@@ -34,8 +34,12 @@ class NatsSettings(_Part):
     url: str | None = Field(
         None, description="NATS server URL; None starts an embedded nats-server (areal run only)"
     )
-    ack_wait_s: float = Field(30.0, gt=1, description="JetStream ack wait (s); leases heartbeat at 1/3")
-    max_deliver: int = Field(5, ge=1, description="deliveries before a failing message is dead-lettered")
+    ack_wait_s: float = Field(
+        30.0, gt=1, description="JetStream ack wait (s); leases heartbeat at 1/3"
+    )
+    max_deliver: int = Field(
+        5, ge=1, description="deliveries before a failing message is dead-lettered"
+    )
     memory_storage: bool = Field(False, description="keep streams in memory (faster, not durable)")
 
 
@@ -43,8 +47,10 @@ class ModelSettings(_Part):
     path: str | None = Field(
         None, description="local Hugging Face model dir; None = built-in tiny preset (warm-started)"
     )
-    warm_start_steps: int = Field(
-        300, ge=0, description="supervised steps that warm-start the tiny preset (cached on disk)"
+    warm_start_steps: int | None = Field(
+        None,
+        ge=0,
+        description="supervised steps that warm-start the tiny preset (cached); None = task default",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype")
     device: str = Field("cpu", description="torch device for both engines, e.g. cpu or cuda")
@@ -89,13 +95,16 @@ class RolloutSettings(_Part):
         True, description="switch weights mid-sample (re-prefill); false = finish on old weights"
     )
     max_concurrent_tasks: int = Field(4, ge=1, description="tasks one rollout worker holds at once")
-    max_batch_size: int = Field(64, ge=1, description="sequences decoded together (continuous batch)")
+    max_batch_size: int = Field(
+        64, ge=1, description="sequences decoded together (continuous batch)"
+    )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per rollout worker")
 
 
 class RewardSettings(_Part):
     fn: str | None = Field(
-        None, description="arithmetic | running_sum | math | code | module:function; None = task default"
+        None,
+        description="arithmetic | running_sum | math | code | module:function; None = task default",
     )
     timeout_s: float = Field(10.0, gt=0, description="per-sample scoring timeout (s)")
     pool_workers: int = Field(1, ge=1, description="scoring processes per reward worker")
@@ -107,9 +116,13 @@ class TrainSettings(_Part):
     lr: float = Field(2e-4, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
-    n_minibatches: int = Field(2, ge=1, description="optimizer steps per training step (PPO minibatches)")
+    n_minibatches: int = Field(
+        2, ge=1, description="optimizer steps per training step (PPO minibatches)"
+    )
     max_tokens_per_mb: int = Field(4096, ge=16, description="token budget per packed micro-batch")
-    packing: Literal["ffd", "fixed"] = Field("ffd", description="dynamic (ffd) or fixed micro-batches")
+    packing: Literal["ffd", "fixed"] = Field(
+        "ffd", description="dynamic (ffd) or fixed micro-batches"
+    )
     fixed_mb_size: int = Field(8, ge=1, description="sequences per micro-batch when packing=fixed")
     checkpoint_every: int = Field(1, ge=1, description="steps between trainer checkpoints")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads for the trainer")
@@ -159,7 +172,9 @@ class RunSettings(BaseSettings):
             raise ValueError(f"model.path {self.model.path!r} is not a directory")
         src = self.data.source
         if not src.startswith("synthetic:") and not Path(src).is_file():
-            raise ValueError(f"data.source {src!r} is neither synthetic:<task> nor an existing file")
+            raise ValueError(
+                f"data.source {src!r} is neither synthetic:<task> nor an existing file"
+            )
         return self
 
     def reward_fn_name(self) -> str:
@@ -173,7 +188,7 @@ class _YamlSource(PydanticBaseSettingsSource):
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return _YAML_DATA.get()
+        return _YAML_DATA.get() or {}
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -181,7 +196,9 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set algo.max_staleness=2")
+            raise ConfigError(
+                f"--set {item!r}: expected key=value, e.g. --set algo.max_staleness=2"
+            )
         key, raw = item.split("=", 1)
         node = out
         parts = key.strip().split(".")
@@ -195,13 +212,21 @@ def _format_errors(e: ValidationError) -> str:
     lines = []
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"]) or "<config>"
-        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
-        fix = f"set it in the YAML or with --set {loc}=..." if loc != "<config>" else "fix the config"
+        got = (
+            f" (got {err['input']!r})"
+            if "input" in err and not isinstance(err["input"], dict)
+            else ""
+        )
+        fix = (
+            f"set it in the YAML or with --set {loc}=..." if loc != "<config>" else "fix the config"
+        )
         lines.append(f"config error: {loc}: {err['msg']}{got}; {fix}")
     return "\n".join(lines)
 
 
-def load_settings(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> RunSettings:
+def load_settings(
+    path: str | os.PathLike | None = None, overrides: list[str] | None = None
+) -> RunSettings:
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)

@@ -13,6 +13,9 @@ _configured = False
 
 def setup_logging(json_logs: bool | None = None, level: str | None = None, **context: object) -> None:
     global _configured
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if json_logs is None:
         json_logs = os.environ.get("AREAL_LOG_FORMAT", "console") == "json"
     lvl = getattr(logging, (level or os.environ.get("AREAL_LOG_LEVEL", "INFO")).upper())

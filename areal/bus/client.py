@@ -17,6 +17,7 @@ import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import nats.errors
@@ -91,7 +92,12 @@ class Bus:
 
     @classmethod
     async def connect(
-        cls, url: str, run_id: str, role: str, worker_id: str, opts: BusOptions | None = None,
+        cls,
+        url: str,
+        run_id: str,
+        role: str,
+        worker_id: str,
+        opts: BusOptions | None = None,
         declare: bool = True,
     ) -> Bus:
         nc = await connect(url, f"areal-{run_id}-{worker_id}")
@@ -113,7 +119,9 @@ class Bus:
         self._obs = await self.js.object_store(self.names.weights_bucket)
 
     # ---------------------------------------------------------------- publishing
-    async def publish(self, stream: str, msg: Message, *rest: str, msg_id: str | None = None) -> None:
+    async def publish(
+        self, stream: str, msg: Message, *rest: str, msg_id: str | None = None
+    ) -> None:
         """JetStream publish with de-duplication id; retries on ack timeout with the same id."""
         data = encode(msg)
         await self.publish_raw(self.names.subject(stream, *rest), data, msg_id or msg.msg_id())
@@ -134,7 +142,9 @@ class Bus:
                 )
                 return
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
-                log.warning("publish_retry", subject=subject, attempt=attempt, error=type(e).__name__)
+                log.warning(
+                    "publish_retry", subject=subject, attempt=attempt, error=type(e).__name__
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         raise TimeoutError(f"publish to {subject} failed after retries (is JetStream up?)")
@@ -178,7 +188,9 @@ class Bus:
         dead-lettered with the error.
         """
         psub = await self.js.pull_subscribe(
-            self.names.subject(stream), durable=S.CONSUMER_OF[stream], stream=self.names.stream(stream)
+            self.names.subject(stream),
+            durable=S.CONSUMER_OF[stream],
+            stream=self.names.stream(stream),
         )
         mine: set[Lease] = set()
         try:
@@ -190,7 +202,7 @@ class Bus:
                     continue
                 try:
                     msgs = await psub.fetch(room, timeout=fetch_timeout_s)
-                except nats.errors.TimeoutError:
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     continue
                 except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
                     await asyncio.sleep(0.5)
@@ -253,7 +265,9 @@ class Bus:
         return await self._kv.watch(key)
 
     # ---------------------------------------------------------------- weights
-    async def put_weights(self, version: int, data: bytes, dtype: str, step: int) -> WeightAnnouncement:
+    async def put_weights(
+        self, version: int, data: bytes, dtype: str, step: int
+    ) -> WeightAnnouncement:
         """Store weights in the object store, then announce them (in that order)."""
         name = f"v{version}"
         sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
@@ -277,10 +291,14 @@ class Bus:
         """Fetch the announced weights and verify their digest."""
         if ann.uri.startswith("file://"):
             path = ann.uri[len("file://") :]
-            data = await asyncio.to_thread(lambda: open(path, "rb").read())
+            data = await asyncio.to_thread(Path(path).read_bytes)
         elif ann.uri.startswith("nats-obj://"):
             bucket, name = ann.uri[len("nats-obj://") :].split("/", 1)
-            obs = self._obs if bucket == self.names.weights_bucket else await self.js.object_store(bucket)
+            obs = (
+                self._obs
+                if bucket == self.names.weights_bucket
+                else await self.js.object_store(bucket)
+            )
             data = (await obs.get(name)).data
         else:
             raise ValueError(f"unsupported weights uri {ann.uri!r}")
@@ -312,7 +330,9 @@ class Bus:
 
     async def latest_weights(self) -> WeightAnnouncement | None:
         try:
-            msg = await self.js.get_last_msg(self.names.stream(S.WEIGHTS), self.names.subject(S.WEIGHTS))
+            msg = await self.js.get_last_msg(
+                self.names.stream(S.WEIGHTS), self.names.subject(S.WEIGHTS)
+            )
         except Exception:
             return None
         return decode(msg.data, WeightAnnouncement)

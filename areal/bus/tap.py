@@ -1,0 +1,289 @@
+"""Read-only bus access for observers (`areal tap`, `areal top`, the metrics exporter).
+
+Invariants (DESIGN section 3, "Tapping"):
+- nothing here consumes, acknowledges or delays a pipeline message: work-queue streams are
+  watched with a plain core subscription on the subject (JetStream refuses a second consumer on
+  a work queue) or peeked by sequence (`STREAM.MSG.GET` does not remove anything);
+- history on limits streams comes from ordered consumers (ephemeral, ack none, in memory);
+- an observer never declares streams or buckets: attaching to a run that does not exist is an
+  error that names the fix, not a new empty run.
+The monitor package sees only `TapMessage` / `QueueStats`, never a `nats` object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from areal.bus.connection import connect
+from schemas import subjects as S
+from schemas.subjects import RunNames
+
+# Observers may buffer a burst of big samples; a slow tap drops its own messages, never the
+# pipeline's (core NATS drops for the slow subscriber only).
+_PENDING_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TapMessage:
+    subject: str
+    data: bytes
+    msg_id: str | None
+    received_at: float  # time.time() when the observer got it
+    stream_seq: int | None = None  # None for core (live) deliveries
+    stored_at: float | None = None  # server timestamp, for replayed / peeked messages
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    stream: str
+    messages: int
+    bytes: int
+    ack_pending: int | None = None  # consumer: delivered, not yet acknowledged
+    pending: int | None = None  # consumer: not yet delivered
+    redelivered: int | None = None
+    subjects: dict[str, int] = field(default_factory=dict)  # per-subject counts (dlq stages)
+
+
+OnMessage = Callable[[TapMessage], Awaitable[None]]
+
+
+def stream_of(subject_suffix: str) -> str:
+    """`metrics.trainer.step` -> `metrics`; raises for an unknown stream."""
+    stream = subject_suffix.split(".", 1)[0]
+    if stream not in S.ALL_STREAMS:
+        raise ValueError(f"unknown stream {stream!r}: choose one of {', '.join(S.ALL_STREAMS)}")
+    return stream
+
+
+def _ts(value: Any) -> float | None:
+    return value.timestamp() if isinstance(value, dt.datetime) else None
+
+
+class TapClient:
+    """A connection that only observes one run."""
+
+    def __init__(self, nc: Client, run_id: str) -> None:
+        self.nc, self.js = nc, nc.jetstream()
+        self.names = RunNames(run_id)
+        self._subs: list[Any] = []
+
+    @classmethod
+    async def connect(cls, url: str, run_id: str, name: str = "areal-tap") -> TapClient:
+        RunNames(run_id)  # validate before connecting
+        return cls(await connect(url, f"{name}-{run_id}"), run_id)
+
+    def subject(self, subject_suffix: str) -> str:
+        """`trajectories` -> `areal.<run>.trajectories`; `metrics` -> `areal.<run>.metrics.>`."""
+        stream = stream_of(subject_suffix)
+        if subject_suffix == stream and stream not in S.WORK_QUEUE_STREAMS and stream != S.WEIGHTS:
+            return self.names.subject(stream, ">")
+        return f"areal.{self.names.run_id}.{subject_suffix}"
+
+    async def check_run(self) -> None:
+        """Raise a clear error when the run's streams do not exist on this server."""
+        try:
+            await self.js.stream_info(self.names.stream(S.METRICS))
+        except NotFoundError:
+            runs = await list_runs(self.nc)
+            raise LookupError(
+                f"run {self.names.run_id!r} has no streams on this NATS server; "
+                f"runs here: {', '.join(runs) or 'none'} (pass --run ID)"
+            ) from None
+
+    # ------------------------------------------------------------------ following
+    async def follow(
+        self,
+        subject_suffix: str,
+        cb: OnMessage,
+        *,
+        history: int = 0,
+        since_s: float | None = None,
+    ) -> None:
+        """Deliver messages on `areal.<run>.<subject_suffix>` to `cb`, live from now on.
+
+        `history` > 0 first replays the last N stored messages (-1: all of them); `since_s`
+        replays those stored in the last `since_s` seconds. On work-queue streams history is a
+        peek at the messages still waiting in the queue (never a consumer).
+        """
+        stream = stream_of(subject_suffix)
+        subject = self.subject(subject_suffix)
+        replay = history != 0 or since_s is not None
+        if stream in S.WORK_QUEUE_STREAMS or not replay:
+            await self._follow_core(subject, cb)  # subscribe first: the peek may overlap, not gap
+            if replay:
+                await self._peek_queue(stream, subject, cb, history)
+            return
+        await self._follow_ordered(stream, subject, cb, history, since_s)
+
+    async def _follow_core(self, subject: str, cb: OnMessage) -> None:
+        async def on_msg(msg: Msg) -> None:
+            headers = msg.headers or {}
+            await cb(TapMessage(msg.subject, msg.data, headers.get("Nats-Msg-Id"), time.time()))
+
+        sub = await self.nc.subscribe(subject, cb=on_msg, pending_bytes_limit=_PENDING_BYTES)
+        self._subs.append(sub)
+
+    async def _peek_queue(self, stream: str, subject: str, cb: OnMessage, history: int) -> None:
+        info = await self.js.stream_info(self.names.stream(stream))
+        seq, end, found = info.state.first_seq, info.state.last_seq, []
+        while seq <= end and len(found) < 10_000:
+            try:
+                raw = await self.js.get_msg(
+                    self.names.stream(stream), seq, subject=subject, next=True
+                )
+            except NotFoundError:
+                break
+            found.append(raw)
+            seq = raw.seq + 1
+        for raw in found[-history:] if history > 0 else found:
+            headers = raw.headers or {}
+            await cb(
+                TapMessage(
+                    raw.subject,
+                    raw.data or b"",
+                    headers.get("Nats-Msg-Id"),
+                    time.time(),
+                    raw.seq,
+                    _ts(raw.time),
+                    replayed=True,
+                )
+            )
+
+    async def _follow_ordered(
+        self, stream: str, subject: str, cb: OnMessage, history: int, since_s: float | None
+    ) -> None:
+        stream_name = self.names.stream(stream)
+        whole_stream = subject == self.subject(stream)
+        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        skip_until = 0  # filtered last-N: skip while more than N matching messages follow
+        if since_s is not None:
+            start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=since_s)
+            cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start)
+        elif history == 1:
+            cfg = ConsumerConfig(deliver_policy=DeliverPolicy.LAST)
+        elif history > 0 and whole_stream:
+            last = (await self.js.stream_info(stream_name)).state.last_seq
+            cfg = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                opt_start_seq=max(1, last - history + 1),
+            )
+        elif history > 0:
+            skip_until = history
+
+        async def on_msg(msg: Msg) -> None:
+            md = msg.metadata
+            if skip_until and md.num_pending >= skip_until:
+                return
+            headers = msg.headers or {}
+            await cb(
+                TapMessage(
+                    msg.subject,
+                    msg.data,
+                    headers.get("Nats-Msg-Id"),
+                    time.time(),
+                    md.sequence.stream,
+                    _ts(md.timestamp),
+                    replayed=md.num_pending > 0,
+                )
+            )
+
+        sub = await self.js.subscribe(
+            subject,
+            cb=on_msg,
+            stream=stream_name,
+            config=cfg,
+            ordered_consumer=True,
+            pending_bytes_limit=_PENDING_BYTES,
+        )
+        self._subs.append(sub)
+
+    # ------------------------------------------------------------------ snapshots
+    async def stream_stats(self) -> dict[str, QueueStats]:
+        """Depth of every stream of the run, with the stage consumer's counters."""
+        out: dict[str, QueueStats] = {}
+        for stream in S.ALL_STREAMS:
+            name = self.names.stream(stream)
+            try:
+                info = await self.js.stream_info(
+                    name, subjects_filter=">" if stream == S.DLQ else None
+                )
+            except (NotFoundError, nats.errors.TimeoutError):
+                continue
+            ack_pending = pending = redelivered = None
+            if stream in S.CONSUMER_OF:
+                with contextlib.suppress(NotFoundError, nats.errors.TimeoutError):
+                    ci = await self.js.consumer_info(name, S.CONSUMER_OF[stream])
+                    ack_pending, pending = ci.num_ack_pending, ci.num_pending
+                    redelivered = ci.num_redelivered
+            out[stream] = QueueStats(
+                stream,
+                info.state.messages,
+                info.state.bytes,
+                ack_pending,
+                pending,
+                redelivered,
+                dict(info.state.subjects or {}),
+            )
+        return out
+
+    async def kv_state(self) -> dict[str, dict]:
+        """The run-state bucket (`controller`, `trainer` keys), decoded; {} when absent."""
+        try:
+            kv = await self.js.key_value(self.names.state_bucket)
+        except Exception:
+            return {}
+        out: dict[str, dict] = {}
+        for key in ("controller", "trainer"):
+            with contextlib.suppress(Exception):
+                entry = await kv.get(key)
+                if entry.value:
+                    out[key] = json.loads(entry.value)
+        return out
+
+    async def close(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+
+
+async def list_runs(nc: Client) -> list[str]:
+    """Run ids with streams on this server (from the metrics streams' subjects)."""
+    js = nc.jetstream()
+    runs: list[str] = []
+    with contextlib.suppress(Exception):
+        for info in await js.streams_info():
+            for subj in info.config.subjects or []:
+                parts = subj.split(".")
+                if len(parts) >= 3 and parts[0] == "areal" and parts[2] == S.METRICS:
+                    runs.append(parts[1])
+    return sorted(set(runs))
+
+
+async def discover_run(url: str) -> str:
+    """The only run on the server at `url`; a clear error when there are none or several."""
+    nc = await connect(url, "areal-tap-discover")
+    try:
+        runs = await list_runs(nc)
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+    if len(runs) == 1:
+        return runs[0]
+    if not runs:
+        raise LookupError(f"no areal run on {url} yet: start one, or pass --run ID")
+    raise LookupError(f"several runs on {url} ({', '.join(runs)}): pass --run ID")

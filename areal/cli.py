@@ -1,0 +1,120 @@
+"""`areal`: run | worker | tap | top | plot | metrics-exporter | schema.
+
+Heavy imports (torch, transformers) happen inside the subcommands so `--help` and config
+errors come back at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parse_replicas(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in filter(None, text.split(",")):
+        role, _, n = part.partition("=")
+        if role not in ("rollout", "reward") or not n.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"--replicas {text!r}: expected e.g. rollout=2,reward=1 (roles: rollout, reward)"
+            )
+        out[role] = int(n)
+    return out
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from areal.config import ConfigError, load_settings
+    from areal.logging import setup_logging
+
+    overrides = list(args.overrides)
+    if args.nats_url:
+        overrides.append(f"nats.url={args.nats_url}")
+    if args.out:
+        overrides.append(f"out_dir={args.out}")
+    for role, n in (args.replicas or {}).items():
+        overrides.append(f"replicas.{role}={n}")
+    try:
+        settings = load_settings(args.config, overrides)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    setup_logging(role="launcher")
+    from areal.launch.local import Launcher
+
+    return Launcher(settings, resume=args.resume, quiet=args.quiet).run()
+
+
+def cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
+    import importlib
+
+    return importlib.import_module(f"workers.{args.role}").main(rest)
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from schemas import MESSAGE_TYPES
+
+    print(
+        json.dumps(
+            {k: m.model_json_schema(by_alias=True) for k, m in MESSAGE_TYPES.items()}, indent=1
+        )
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="areal", description="Asynchronous RL for reasoning LLMs on NATS JetStream"
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="run a whole training job locally (embedded NATS by default)")
+    r.add_argument("config", nargs="?", help="YAML run config (e.g. examples/arithmetic.yaml)")
+    r.add_argument("--replicas", type=_parse_replicas, help="e.g. rollout=2,reward=1")
+    r.add_argument("--nats-url", help="use this NATS server instead of an embedded one")
+    r.add_argument("--out", help="output dir (metrics.jsonl, summary.json, checkpoints, logs)")
+    r.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set algo.max_staleness=2",
+    )
+    r.add_argument(
+        "--resume", action="store_true", help="continue the run in --out instead of starting fresh"
+    )
+    r.add_argument("--quiet", action="store_true", help="no progress output")
+    r.set_defaults(fn=cmd_run)
+
+    w = sub.add_parser(
+        "worker", help="run one replica of a role against a NATS server", add_help=False
+    )
+    w.add_argument("role", choices=["controller", "rollout", "reward", "trainer"])
+    w.set_defaults(fn=None)
+
+    s = sub.add_parser("schema", help="print the JSON Schema of every wire message")
+    s.set_defaults(fn=cmd_schema)
+
+    try:
+        from areal.monitor.cli import add_monitor_commands
+    except ImportError:
+        pass
+    else:
+        add_monitor_commands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = build_parser()
+    if argv[:1] == ["worker"]:
+        args, rest = p.parse_known_args(argv)
+        return cmd_worker(args, rest)
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

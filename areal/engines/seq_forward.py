@@ -1,0 +1,149 @@
+"""Per-token log-probs of training sequences, micro-batched and (by default) padding-free.
+
+Invariants:
+- ``logp(seqs)[i][t] = log_softmax(logits / temperature)`` at output token t of seq i, where the
+  logits come from position ``P_i + t - 1`` (position p predicts token p + 1).
+- ``packing="ffd"``: micro-batches from ``pack_ffd`` under ``max_tokens_per_mb``, each run as ONE
+  row: sequences concatenated, position ids restarting at 0 per sequence, attention kept inside
+  each sequence. With ``varlen_attn`` (default) that is causal sdpa per segment (cost
+  sum(len_i^2)); with ``sdpa``/``eager`` transformers (>= 5) builds a block-diagonal mask from the
+  restarting position ids (cost L^2) and older versions get an explicit 4-D additive mask;
+  ``flash_attention_2`` handles restarting position ids natively.
+- ``packing="fixed"``: consecutive chunks of ``fixed_mb_size``, right-padded (the baseline).
+- Only the logits of output positions are computed (``logits_to_keep``) in the packed path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from areal.algo.packing import pack_ffd, pack_fixed
+from areal.engines import varlen_attn
+from areal.engines.base import TrainSeq
+
+__all__ = ["SeqForward", "load_causal_lm", "seq_len"]
+
+
+def seq_len(s: TrainSeq) -> int:
+    return len(s.prompt_ids) + len(s.output_ids)
+
+
+def load_causal_lm(model_path: str, dtype: torch.dtype, attn_implementation: str):
+    """Load an HF causal LM from a local dir; returns (model, uses_varlen_attention)."""
+    from transformers import AutoModelForCausalLM
+
+    varlen = attn_implementation == "varlen" and varlen_attn.register()
+    kw = {}
+    if varlen:
+        kw["attn_implementation"] = varlen_attn.NAME
+    elif attn_implementation != "varlen":
+        kw["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=dtype, local_files_only=True, **kw
+    )
+    return model, varlen
+
+
+def _packed_detection_builtin() -> bool:
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class SeqForward:
+    """Runs ``model`` (an HF causal LM, or a wrapper such as a DeepSpeed engine that forwards
+    the same keyword arguments) over micro-batches of ``TrainSeq``."""
+
+    def __init__(
+        self,
+        model: Callable,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        temperature: float,
+        packing: str,
+        fixed_mb_size: int,
+        varlen: bool,
+    ) -> None:
+        if packing not in ("ffd", "fixed"):
+            raise ValueError(f"packing must be 'ffd' or 'fixed', got {packing!r}")
+        self.model, self.dtype, self.device = model, dtype, device
+        self.temperature = temperature
+        self.packing = packing
+        self.fixed_mb_size = fixed_mb_size
+        self.varlen = varlen
+        self.builtin_packed = _packed_detection_builtin()
+
+    def micro_batches(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> list[list[int]]:
+        if self.packing == "fixed":
+            return pack_fixed(len(seqs), self.fixed_mb_size)
+        return pack_ffd([seq_len(s) for s in seqs], max_tokens_per_mb)
+
+    def padded_tokens(self, seqs: list[TrainSeq]) -> int:
+        """Token slots one micro-batch of ``seqs`` occupies (real + padding)."""
+        lens = [seq_len(s) for s in seqs]
+        return max(lens) * len(lens) if self.packing == "fixed" else sum(lens)
+
+    def logp(self, seqs: list[TrainSeq]) -> list[torch.Tensor]:
+        """Log-probs of each seq's output tokens, one micro-batch (grad follows the caller)."""
+        if self.packing == "fixed":
+            return self._padded(seqs)
+        return self._packed(seqs)
+
+    def _packed(self, seqs: list[TrainSeq]) -> list[torch.Tensor]:
+        ids = torch.cat([torch.cat([s.prompt_ids, s.output_ids]) for s in seqs])  # [L]
+        pos = torch.cat([torch.arange(seq_len(s)) for s in seqs])  # [L]
+        keep, offset = [], 0
+        for s in seqs:
+            p, t = len(s.prompt_ids), len(s.output_ids)
+            keep.append(torch.arange(offset + p - 1, offset + p + t - 1))
+            offset += p + t
+        kwargs = {}
+        if self.varlen:
+            kwargs["areal_seg_lens"] = [seq_len(s) for s in seqs]
+        elif not self.builtin_packed:
+            kwargs["attention_mask"] = _block_causal_mask(seqs, self.dtype).to(self.device)
+        logits = self.model(
+            input_ids=ids[None].to(self.device),
+            position_ids=pos[None].to(self.device),
+            use_cache=False,
+            logits_to_keep=torch.cat(keep).to(self.device),
+            **kwargs,
+        ).logits[0]  # [K, V]
+        return self._gather(logits, seqs)
+
+    def _padded(self, seqs: list[TrainSeq]) -> list[torch.Tensor]:
+        length = max(seq_len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), length, dtype=torch.long)
+        attn = torch.zeros(len(seqs), length, dtype=torch.long)
+        rows, cols = [], []
+        for i, s in enumerate(seqs):
+            n, p, t = seq_len(s), len(s.prompt_ids), len(s.output_ids)
+            ids[i, :n] = torch.cat([s.prompt_ids, s.output_ids])
+            attn[i, :n] = 1
+            rows.append(torch.full((t,), i))
+            cols.append(torch.arange(p - 1, p + t - 1))
+        logits = self.model(
+            input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False
+        ).logits  # [B, S, V]
+        sel = logits[torch.cat(rows).to(self.device), torch.cat(cols).to(self.device)]  # [K, V]
+        return self._gather(sel, seqs)
+
+    def _gather(self, logits: torch.Tensor, seqs: list[TrainSeq]) -> list[torch.Tensor]:
+        targets = torch.cat([s.output_ids for s in seqs]).to(self.device)  # [K]
+        logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)  # [K, V]
+        logp = logprobs.gather(-1, targets[:, None]).squeeze(-1)  # [K]
+        return list(logp.split([len(s.output_ids) for s in seqs]))
+
+
+def _block_causal_mask(seqs: list[TrainSeq], dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, L, L] additive mask: causal inside each sequence, nothing across sequences."""
+    seg = torch.cat([torch.full((seq_len(s),), i) for i, s in enumerate(seqs)])  # [L]
+    n = len(seg)
+    allowed = (seg[:, None] == seg[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    mask = torch.zeros(n, n, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]

@@ -1,0 +1,281 @@
+"""Single-process training engine on a transformers causal LM (CPU or one GPU).
+
+Invariants:
+- Log-probs are ``log_softmax(logits / temperature)`` at the next token, the same policy the
+  rollout engine samples from (``TorchInferenceEngine`` records ``log_softmax(logits / T)``);
+  build the trainer with the rollout temperature (1.0 when rollouts are greedy).
+- The model always runs in eval mode (no dropout), so ``compute_logp`` and the loss pass see the
+  same function of the weights; gradients flow regardless.
+- Micro-batching and the padding-free packed forward live in ``seq_forward.SeqForward``
+  (``packing="ffd"``: FFD + one packed row per micro-batch; ``"fixed"``: right-padded chunks).
+- One ``train_step`` = ``n_minibatches`` optimizer steps over contiguous minibatches, each
+  averaging over its own loss tokens; ``version`` goes up by exactly one per ``train_step``.
+- The RL math (decoupled PPO loss, log-linear proximal policy, packing) comes from ``areal.algo``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from areal.algo.loss import (
+    PPOLossConfig,
+    PPOLossOutput,
+    loglinear_prox_logp,
+    ppo_loss,
+    reduce_loss_stats,
+)
+from areal.engines.base import TrainSeq
+from areal.engines.seq_forward import SeqForward, load_causal_lm, seq_len
+from areal.engines.torch_infer import resolve_dtype
+
+__all__ = [
+    "TorchTrainEngine",
+    "check_seqs",
+    "export_state_dict",
+    "microbatch_loss",
+    "split_contiguous",
+]
+
+_WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".safetensors.index.json",
+    ".bin.index.json",
+)
+_CHECKPOINT_FORMAT = 1
+
+
+def export_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies of every key of ``model.state_dict()``; tied tensors get their own
+    storage, so safetensors accepts them and a fresh model's strict ``load_state_dict`` does too."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu").contiguous()
+        if t.data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.data_ptr())
+        out[name] = t
+    return out
+
+
+class TorchTrainEngine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        grad_clip: float = 1.0,
+        loss_cfg: PPOLossConfig | None = None,
+        temperature: float = 1.0,
+        n_minibatches: int = 1,
+        prox_logp: str = "recompute",
+        device: str = "cpu",
+        dtype: str = "float32",
+        seed: int = 0,
+        version: int = 0,
+        packing: str = "ffd",
+        fixed_mb_size: int = 8,
+        attn_implementation: str = "varlen",
+    ) -> None:
+        if prox_logp not in ("recompute", "loglinear"):
+            raise ValueError(f"prox_logp must be 'recompute' or 'loglinear', got {prox_logp!r}")
+        if temperature <= 0:
+            raise ValueError(
+                f"temperature must be > 0 (use 1.0 for greedy rollouts), got {temperature}"
+            )
+        if n_minibatches < 1 or fixed_mb_size < 1:
+            raise ValueError("n_minibatches and fixed_mb_size must be >= 1")
+        torch.manual_seed(seed)
+        self.model_path = model_path
+        self.device = torch.device(device)
+        model, varlen = load_causal_lm(model_path, resolve_dtype(dtype), attn_implementation)
+        self.model = model.to(self.device)
+        self.model.eval()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
+        )
+        self.grad_clip = grad_clip
+        self.loss_cfg = loss_cfg if loss_cfg is not None else PPOLossConfig()
+        self.temperature = temperature
+        self.n_minibatches = n_minibatches
+        self.prox_logp = prox_logp
+        self.version = version
+        self.fwd = SeqForward(
+            self.model,
+            dtype=self.model.dtype,
+            device=self.device,
+            temperature=temperature,
+            packing=packing,
+            fixed_mb_size=fixed_mb_size,
+            varlen=varlen,
+        )
+
+    # ---------------------------------------------------------------- protocol
+    def compute_logp(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        with torch.no_grad():
+            for mb in self.fwd.micro_batches(seqs, max_tokens_per_mb):
+                for i, lp in zip(mb, self.fwd.logp([seqs[i] for i in mb]), strict=True):
+                    out[i] = lp.cpu()
+        return out  # type: ignore[return-value]
+
+    def train_step(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> dict[str, float]:
+        if not seqs:
+            raise ValueError("train_step needs at least one sequence")
+        t0 = time.perf_counter()
+        cfg = self.loss_cfg
+        check_seqs(seqs)
+        if cfg.decoupled and self.prox_logp == "recompute":
+            # Proximal policy = the current weights, evaluated before any update of this step.
+            for s, lp in zip(seqs, self.compute_logp(seqs, max_tokens_per_mb), strict=True):
+                s.prox_logp = lp
+
+        chunks = [c for c in split_contiguous(seqs, self.n_minibatches) if c]
+        outs, grad_norms = [], []
+        n_mb, tokens, padded_tokens = 0, 0, 0
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for chunk in chunks:
+            denom = float(sum(len(s.output_ids) for s in chunk))  # loss tokens of this minibatch
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in self.fwd.micro_batches(chunk, max_tokens_per_mb):
+                mb_seqs = [chunk[i] for i in mb if len(chunk[i].output_ids) > 0]
+                if not mb_seqs:
+                    continue
+                n_mb += 1
+                tokens += sum(seq_len(s) for s in mb_seqs)
+                padded_tokens += self.fwd.padded_tokens(mb_seqs)
+                out = microbatch_loss(
+                    self.fwd, mb_seqs, cfg, self.prox_logp, self.version, denom, self.device
+                )
+                out.loss.backward()
+                outs.append(out)
+            max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+            self.optimizer.step()
+        self.version += 1
+
+        stats = reduce_loss_stats(outs)
+        stats["loss"] /= max(len(chunks), 1)  # mean over minibatches of each minibatch's token mean
+        stats.update(
+            grad_norm=sum(grad_norms) / max(len(grad_norms), 1),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            padding_frac=(padded_tokens - tokens) / padded_tokens if padded_tokens else 0.0,
+            n_microbatches=float(n_mb),
+            tokens=float(tokens),
+            time_s=time.perf_counter() - t0,
+        )
+        return stats
+
+    # ------------------------------------------------------------ serialisation
+    def export_safetensors(self) -> bytes:
+        from safetensors.torch import save
+
+        return save(export_state_dict(self.model))
+
+    def save_pretrained(self, path: str) -> None:
+        """HF directory (config + safetensors) plus tokenizer and other non-weight files of
+        ``model_path``; written to a temp dir and renamed into place."""
+        dst = Path(path)
+        tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
+        self.model.save_pretrained(tmp)
+        src = Path(self.model_path)
+        for f in src.iterdir():
+            if (
+                f.is_file()
+                and not f.name.endswith(_WEIGHT_SUFFIXES)
+                and not (tmp / f.name).exists()
+            ):
+                shutil.copy2(f, tmp / f.name)
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+
+    def save_checkpoint(self, path: str) -> None:
+        """One file: model, optimizer, version, RNG; written to a temp file and renamed."""
+        state = {
+            "format": _CHECKPOINT_FORMAT,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "version": self.version,
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+        dst = Path(path)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
+        torch.save(state, tmp)
+        os.replace(tmp, dst)
+
+    def load_checkpoint(self, path: str) -> None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no checkpoint at {path} (write one with save_checkpoint)")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state.get("format") != _CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: unknown checkpoint format {state.get('format')!r}")
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        torch.set_rng_state(state["rng_cpu"])
+        if state["rng_cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
+
+
+def check_seqs(seqs: list[TrainSeq]) -> None:
+    if not seqs:
+        raise ValueError("train_step needs at least one sequence")
+    for s in seqs:
+        if s.output_ids.shape != s.behav_logp.shape or s.output_ids.shape != s.versions.shape:
+            raise ValueError(
+                "TrainSeq output_ids, behav_logp and versions must have the same shape"
+            )
+        if len(s.prompt_ids) == 0:
+            raise ValueError("TrainSeq with an empty prompt")
+
+
+def microbatch_loss(
+    fwd: SeqForward,
+    seqs: list[TrainSeq],
+    cfg: PPOLossConfig,
+    prox_mode: str,
+    version: int,
+    denom: float,
+    device: torch.device,
+) -> PPOLossOutput:
+    """Forward one micro-batch with grad and return its decoupled-PPO loss (not yet backwarded).
+
+    Per-token adv = the seq's adv on every output token; loss mask = all output tokens.
+    """
+    logp = torch.cat(fwd.logp(seqs))  # [N]
+    behav = torch.cat([s.behav_logp for s in seqs]).to(device, torch.float32)
+    adv = torch.cat([torch.full((len(s.output_ids),), float(s.adv)) for s in seqs]).to(device)
+    mask = torch.ones_like(logp, dtype=torch.bool)
+    if not cfg.decoupled:
+        prox = behav  # unused by the loss
+    elif prox_mode == "recompute":
+        prox = torch.cat([s.prox_logp for s in seqs]).to(device, torch.float32)
+    else:
+        versions = torch.cat([s.versions for s in seqs]).to(device)
+        prox = loglinear_prox_logp(behav, logp.detach(), versions, version)
+    return ppo_loss(logp, prox, behav, adv, mask, cfg, denom)
+
+
+def split_contiguous(seqs: list[TrainSeq], n: int) -> list[list[TrainSeq]]:
+    """``n`` contiguous chunks whose sizes differ by at most one."""
+    q, r = divmod(len(seqs), n)
+    out, start = [], 0
+    for i in range(n):
+        end = start + q + (1 if i < r else 0)
+        out.append(seqs[start:end])
+        start = end
+    return out

@@ -1,0 +1,177 @@
+"""vLLM inference engine (GPU): step-driven continuous batching, abort + resume, in-place reload.
+
+UNTESTED ON THIS MACHINE: written against the vLLM (>= 0.10, V1 engine) API without a GPU or
+vllm installed here; the torch engine is the reference implementation and its tests define the
+expected behaviour. Run a GPU smoke test before relying on it.
+
+Invariants (same as ``TorchInferenceEngine``):
+- behaviour log-prob = ``log_softmax(logits / T)`` at the sampled token: requests ask for
+  ``logprobs=0`` (the sampled token only) and the engine is built with
+  ``logprobs_mode="processed_logprobs"`` so vLLM reports them after temperature scaling.
+  NOTE: vLLM's "processed" log-probs may also include top-p/top-k masking, unlike the torch
+  engine; keep top_p = 1 for RL or check this on the installed version.
+- Interruption: at every engine step ``poll_weights`` is asked; on an update every unfinished
+  request is aborted, the weights are loaded into the worker(s), the prefix cache is reset and
+  every request is re-submitted as prompt + tokens so far, with the remaining token budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from areal.engines.base import (
+    GenOutput,
+    GenRequest,
+    OnFinished,
+    PollWeights,
+    SamplingParams,
+    WeightUpdate,
+)
+
+__all__ = ["VLLMInferenceEngine"]
+
+
+def _load_weights_on_worker(self, items):  # runs inside each vLLM worker via collective_rpc
+    self.model_runner.model.load_weights(weights=items)
+
+
+class VLLMInferenceEngine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "bfloat16",
+        max_batch_size: int = 256,
+        gpu_memory_utilization: float = 0.85,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        version: int = 0,
+    ) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_num_seqs=max_batch_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            skip_tokenizer_init=True,
+        )
+        self.engine = self.llm.llm_engine
+        self.version = version
+        self._n_submits = 0
+
+    def load_weights(self, update: WeightUpdate) -> None:
+        items = [
+            (k, v)
+            for k, v in update.state_dict.items()
+            if k != "lm_head.weight" or not self._tied()
+        ]
+        self.llm.collective_rpc(_load_weights_on_worker, args=(items,))
+        self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+        self.version = update.version
+
+    def _tied(self) -> bool:
+        return bool(getattr(self.engine.model_config.hf_config, "tie_word_embeddings", False))
+
+    def generate(
+        self,
+        requests: list[GenRequest],
+        params: SamplingParams,
+        poll_weights: PollWeights | None = None,
+        on_finished: OnFinished | None = None,
+        should_abort: Callable[[str], bool] | None = None,
+    ) -> list[GenOutput]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        stop_ids = set(params.stop_token_ids)
+        state: dict[str, dict] = {}  # vllm request id -> row state
+        results: list[GenOutput | None] = [None] * len(requests)
+
+        def finish(rid: str, reason: str) -> None:
+            st = state.pop(rid)
+            out = GenOutput(
+                key=st["req"].key,
+                output_ids=st["ids"],
+                behav_logp=st["logp"],
+                versions=st["versions"],
+                finish_reason=reason,
+                n_interrupts=st["n_interrupts"],
+                n_reprefill_tokens=st["n_reprefill"],
+            )
+            results[st["idx"]] = out
+            if on_finished is not None:
+                on_finished(out)
+
+        def submit(st: dict) -> str:
+            self._n_submits += 1
+            rid = f"{st['req'].key}#{self._n_submits}"
+            sp = VSamplingParams(
+                n=1,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                max_tokens=params.max_new_tokens - len(st["ids"]),
+                stop_token_ids=list(params.stop_token_ids),
+                ignore_eos=True,  # only our stop ids end a sample
+                logprobs=0,
+                detokenize=False,
+            )
+            prompt = TokensPrompt(prompt_token_ids=list(st["req"].prompt_ids) + st["ids"])
+            self.engine.add_request(rid, prompt, sp)
+            st["seen"] = 0  # tokens of this submission already recorded
+            state[rid] = st
+            return rid
+
+        for i, req in enumerate(requests):
+            st = {
+                "idx": i,
+                "req": req,
+                "ids": list(req.prefix_ids),
+                "logp": list(req.prefix_logp),
+                "versions": list(req.prefix_versions),
+                "n_interrupts": 0,
+                "n_reprefill": 0,
+            }
+            if st["ids"] and (st["ids"][-1] in stop_ids or len(st["ids"]) >= params.max_new_tokens):
+                state["pre"] = st
+                finish("pre", "stop" if st["ids"][-1] in stop_ids else "length")
+            else:
+                submit(st)
+
+        while state:
+            update = poll_weights() if poll_weights is not None else None
+            if update is not None:
+                rows = list(state.items())
+                self.engine.abort_request([rid for rid, _ in rows])
+                state.clear()
+                self.load_weights(update)
+                for _, st in rows:
+                    st["n_interrupts"] += 1
+                    st["n_reprefill"] += len(st["req"].prompt_ids) + len(st["ids"])
+                    submit(st)
+            if should_abort is not None:
+                dropped = [rid for rid, st in state.items() if should_abort(st["req"].key)]
+                if dropped:
+                    self.engine.abort_request(dropped)
+                    for rid in dropped:
+                        finish(rid, "abort")
+            for ro in self.engine.step():
+                st = state.get(ro.request_id)
+                if st is None:
+                    continue
+                comp = ro.outputs[0]
+                new_ids = list(comp.token_ids)[st["seen"] :]
+                new_lps = comp.logprobs[st["seen"] :]
+                for tok, lp in zip(new_ids, new_lps, strict=True):
+                    st["ids"].append(int(tok))
+                    st["logp"].append(float(lp[tok].logprob))
+                    st["versions"].append(self.version)
+                st["seen"] += len(new_ids)
+                if ro.finished:
+                    last = st["ids"][-1] if st["ids"] else None
+                    finish(ro.request_id, "stop" if last in stop_ids else "length")
+        return results  # type: ignore[return-value]

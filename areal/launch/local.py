@@ -1,0 +1,186 @@
+"""`areal run`: the local launcher.
+
+Starts an embedded nats-server (unless a URL is configured), the controller, the trainer and N
+rollout / M reward worker processes, shows a progress bar fed by the trainer's step metrics, and
+stops everything on completion, on a worker crash, or on Ctrl-C. Invariant: no child process
+outlives the launcher (they are signalled on exit and die with it via PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import structlog
+
+from areal.bus.embedded import EmbeddedNats, die_with_parent
+from areal.config import RunSettings
+from areal.launch.worker import resolve_model_path
+
+log = structlog.get_logger()
+
+RUN_ARTIFACTS = (
+    "metrics.jsonl",
+    "summary.json",
+    "config.json",
+    "checkpoint",
+    "final",
+    "nats",
+    "logs",
+)
+
+
+class Launcher:
+    def __init__(self, settings: RunSettings, *, resume: bool = False, quiet: bool = False) -> None:
+        self.s = settings
+        self.out = Path(settings.out_dir)
+        self.resume, self.quiet = resume, quiet
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.server: EmbeddedNats | None = None
+
+    def prepare(self) -> Path:
+        if not self.resume:
+            for name in RUN_ARTIFACTS:
+                p = self.out / name
+                if p.is_dir():
+                    shutil.rmtree(p)
+                elif p.exists():
+                    p.unlink()
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        from areal.rewards.registry import get_reward_fn
+
+        get_reward_fn(self.s.reward_fn_name())  # a bad reward spec fails before anything starts
+        self.s.model.path = resolve_model_path(self.s)
+        if not self.s.nats.url:
+            self.server = EmbeddedNats(store_dir=self.out / "nats").start()
+            self.s.nats.url = self.server.url
+        cfg_path = self.out / "config.json"
+        cfg_path.write_text(json.dumps(self.s.model_dump(mode="json"), indent=1))
+        return cfg_path
+
+    def spawn(self, cfg_path: Path) -> None:
+        roles = [("controller", 0), ("trainer", 0)]
+        roles += [("reward", i) for i in range(self.s.replicas.get("reward", 1))]
+        roles += [("rollout", i) for i in range(self.s.replicas.get("rollout", 1))]
+        env = {
+            **os.environ,
+            "AREAL_LOG_FORMAT": os.environ.get("AREAL_LOG_FORMAT", "console"),
+            "PYTHONUNBUFFERED": "1",
+        }
+        for key in [
+            k
+            for k in env
+            if k.startswith("AREAL_")
+            and k not in ("AREAL_LOG_FORMAT", "AREAL_LOG_LEVEL", "AREAL_CACHE_DIR")
+        ]:
+            env.pop(key)  # the resolved config.json already holds every setting
+        for role, i in roles:
+            threads = (
+                self.s.train.torch_threads if role == "trainer" else self.s.rollout.torch_threads
+            )
+            wid = f"{role}-{i}"
+            logf = open(self.out / "logs" / f"{wid}.log", "ab")  # noqa: SIM115 - owned by child
+            self.procs[wid] = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    f"workers.{role}",
+                    "--config",
+                    str(cfg_path),
+                    "--worker-id",
+                    wid,
+                ],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**env, "OMP_NUM_THREADS": str(threads)},
+                preexec_fn=die_with_parent,
+            )
+            logf.close()
+
+    def stop_all(self, timeout_s: float = 15.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if self.server:
+            self.server.stop()
+            self.server = None
+
+    def _log_tail(self, wid: str, n: int = 25) -> str:
+        lines = (self.out / "logs" / f"{wid}.log").read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    async def _watch(self) -> int:
+        from areal.launch.progress import StepProgress
+
+        progress = StepProgress(self.s.train.total_steps, quiet=self.quiet)
+        nc = None
+        with contextlib.suppress(Exception):
+            from areal.bus.codec import decode
+            from areal.bus.connection import connect
+            from schemas import MetricRecord, RunNames
+
+            nc = await connect(self.s.nats.url, "areal-launcher")
+
+            async def on_step(msg) -> None:
+                with contextlib.suppress(Exception):
+                    progress.update(decode(msg.data, MetricRecord).values)
+
+            await nc.subscribe(
+                RunNames(self.s.run_id).metrics_subject("trainer") + ".step", cb=on_step
+            )
+        try:
+            with progress:
+                while True:
+                    trainer = self.procs["trainer-0"]
+                    if trainer.poll() is not None:
+                        return trainer.returncode
+                    for wid, p in self.procs.items():
+                        if p.poll() is not None and p.returncode != 0:
+                            print(
+                                f"worker {wid} exited with {p.returncode}; last log lines:\n"
+                                f"{self._log_tail(wid)}",
+                                file=sys.stderr,
+                            )
+                            return p.returncode or 1
+                    await asyncio.sleep(0.2)
+        finally:
+            if nc is not None:
+                with contextlib.suppress(Exception):
+                    await nc.close()
+
+    def run(self) -> int:
+        t0 = time.time()
+        try:
+            cfg = self.prepare()
+            self.spawn(cfg)
+            rc = asyncio.run(self._watch())
+        except KeyboardInterrupt:
+            print("\ninterrupted: stopping all workers", file=sys.stderr)
+            rc = 130
+        finally:
+            self.stop_all()
+        summary_path = self.out / "summary.json"
+        if rc == 0 and summary_path.exists():
+            summary = json.loads(summary_path.read_text())
+            print(json.dumps(summary, indent=1))
+            print(f"run finished in {time.time() - t0:.1f}s; artifacts in {self.out}/")
+        elif rc != 0 and rc != 130:
+            print(f"run failed (exit {rc}); logs in {self.out}/logs/", file=sys.stderr)
+        return rc

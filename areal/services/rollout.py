@@ -1,0 +1,256 @@
+"""Rollout: pulls tasks, generates G samples each, publishes every finished sample at once.
+
+Invariants:
+- every generated token carries the behaviour log-prob and the policy version that produced it;
+- a task is never generated with weights older than the version at which it was admitted (the
+  worker waits for that version's announcement first); this makes `max_staleness: 0` truly
+  synchronous;
+- interruptible mode: a new weight version is fetched and verified off the event loop, then handed
+  to the generating thread, which switches at the next token boundary (re-prefilling prompt +
+  partial output); non-interruptible mode switches between generate calls only;
+- a task's prompt message is acknowledged only after all its G samples are published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from areal.bus.client import Bus, Lease
+from areal.bus.codec import pack, unpack
+from areal.engines.base import GenOutput, GenRequest, InferenceEngine, SamplingParams, WeightUpdate
+from areal.services.common import BusyMeter, heartbeat_loop
+from schemas import Sample, Task, WeightAnnouncement
+from schemas import subjects as S
+
+log = structlog.get_logger()
+
+
+@dataclass
+class _InFlight:
+    task: Task
+    lease: Lease
+    remaining: int
+    done: asyncio.Future
+    t_received: float = field(default_factory=time.time)
+
+
+class RolloutService:
+    def __init__(
+        self,
+        bus: Bus,
+        engine: InferenceEngine,
+        tokenizer,
+        params: SamplingParams,
+        *,
+        interruptible: bool,
+        max_concurrent_tasks: int,
+        weights_from_bytes,
+    ) -> None:
+        self.bus, self.engine, self.tokenizer, self.params = bus, engine, tokenizer, params
+        self.interruptible = interruptible
+        self.max_concurrent_tasks = max_concurrent_tasks
+        self.weights_from_bytes = weights_from_bytes
+        self._lock = threading.Lock()
+        self._pending: WeightUpdate | None = None
+        self._weights_changed = asyncio.Event()
+        self._queue: list[tuple[_InFlight, GenRequest]] = []
+        self._queue_changed = asyncio.Event()
+        self._inflight: dict[str, _InFlight] = {}
+        self._publishes: set[asyncio.Task] = set()
+        self.meter = BusyMeter()
+        self.stats = {
+            "samples": 0,
+            "tokens": 0,
+            "interrupts": 0,
+            "reprefill_tokens": 0,
+            "weight_load_s": 0.0,
+            "weight_loads": 0,
+        }
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def known_version(self) -> int:
+        with self._lock:
+            return max(self.engine.version, self._pending.version if self._pending else -1)
+
+    async def on_weights(self, ann: WeightAnnouncement) -> None:
+        if ann.version <= self.known_version:
+            return
+        t0 = time.perf_counter()
+        try:
+            data = await self.bus.get_weights(ann)
+            state = await asyncio.to_thread(self.weights_from_bytes, data)
+        except Exception as e:
+            log.error("weights_load_failed", version=ann.version, error=str(e))
+            return
+        with self._lock:
+            if self._pending is None or self._pending.version < ann.version:
+                self._pending = WeightUpdate(version=ann.version, state_dict=state)
+        self.stats["weight_load_s"] += time.perf_counter() - t0
+        self.stats["weight_loads"] += 1
+        log.info(
+            "weights_fetched",
+            version=ann.version,
+            bytes=ann.nbytes,
+            fetch_s=round(time.perf_counter() - t0, 3),
+        )
+        self._weights_changed.set()
+
+    def _take_pending(self) -> WeightUpdate | None:
+        """Called by the generating thread at token boundaries (interruptible mode)."""
+        with self._lock:
+            update, self._pending = self._pending, None
+        return update
+
+    async def _apply_pending(self) -> None:
+        update = self._take_pending()
+        if update is not None:
+            await asyncio.to_thread(self.engine.load_weights, update)
+            log.info("weights_loaded", policy_version=update.version)
+
+    async def _wait_for_version(self, version: int, stop: asyncio.Event) -> None:
+        while self.known_version < version and not stop.is_set():
+            self._weights_changed.clear()
+            if self.known_version >= version:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._weights_changed.wait(), 2.0)
+            if self.known_version < version:  # missed announcement? ask the stream
+                ann = await self.bus.latest_weights()
+                if ann is not None:
+                    await self.on_weights(ann)
+
+    # ------------------------------------------------------------------ tasks
+    async def handle(self, task: Task, lease: Lease) -> None:
+        entry = self._inflight.get(task.task_id)
+        if entry is not None:  # redelivery of a task we are still generating
+            await lease.ack()
+            return
+        entry = _InFlight(task, lease, task.group_size, asyncio.get_running_loop().create_future())
+        self._inflight[task.task_id] = entry
+        prompt = unpack(task.prompt_ids).tolist()
+        for i in range(task.group_size):
+            self._queue.append((entry, GenRequest(key=f"{task.task_id}/{i}", prompt_ids=prompt)))
+        self._queue_changed.set()
+        try:
+            await entry.done
+            await lease.ack()
+        finally:
+            self._inflight.pop(task.task_id, None)
+
+    def _on_finished(self, loop: asyncio.AbstractEventLoop, out: GenOutput) -> None:
+        """Generating thread -> event loop: publish the sample at once."""
+        loop.call_soon_threadsafe(self._spawn_publish, out)
+
+    def _spawn_publish(self, out: GenOutput) -> None:
+        t = asyncio.ensure_future(self._publish_sample(out))
+        self._publishes.add(t)
+        t.add_done_callback(self._publishes.discard)
+
+    async def _publish_sample(self, out: GenOutput) -> None:
+        task_id, idx = out.key.rsplit("/", 1)
+        entry = self._inflight[task_id]
+        task = entry.task
+        text = self.tokenizer.decode(
+            [t for t in out.output_ids if t not in self.params.stop_token_ids],
+            skip_special_tokens=True,
+        )
+        sample = Sample(
+            task_id=task_id,
+            task_seq=task.seq,
+            sample_idx=int(idx),
+            group_size=task.group_size,
+            prompt_ids=task.prompt_ids,
+            output_ids=pack(out.output_ids, "int32"),
+            behav_logp=pack(out.behav_logp, "float32"),
+            versions=pack(out.versions, "int32"),
+            output_text=text,
+            answer=task.answer,
+            metadata=task.metadata,
+            finish_reason=out.finish_reason,
+            worker_id=self.bus.worker_id,
+            n_interrupts=out.n_interrupts,
+            n_reprefill_tokens=out.n_reprefill_tokens,
+            timings={
+                "admitted_at": task.admitted_at,
+                "received_at": entry.t_received,
+                "finished_at": time.time(),
+            },
+        )
+        try:
+            await self.bus.publish(S.TRAJECTORIES, sample)
+        except Exception as e:
+            if not entry.done.done():
+                entry.done.set_exception(e)
+            return
+        self.stats["samples"] += 1
+        self.stats["tokens"] += len(out.output_ids)
+        self.stats["interrupts"] += out.n_interrupts
+        self.stats["reprefill_tokens"] += out.n_reprefill_tokens
+        entry.remaining -= 1
+        if entry.remaining == 0 and not entry.done.done():
+            entry.done.set_result(None)
+
+    async def _generate_loop(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            if not self._queue:
+                self._queue_changed.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._queue_changed.wait(), 0.5)
+                continue
+            need = max(e.task.admitted_version for e, _ in self._queue)
+            await self._wait_for_version(need, stop)
+            await self._apply_pending()
+            batch, self._queue = self._queue, []
+            reqs = [r for _, r in batch]
+            self.meter.start()
+            try:
+                await asyncio.to_thread(
+                    self.engine.generate,
+                    reqs,
+                    self.params,
+                    self._take_pending if self.interruptible else None,
+                    lambda out: self._on_finished(loop, out),
+                )
+            except Exception as e:  # engine failure: hand the tasks back (nak), keep running
+                log.exception("generate_failed")
+                for entry, _ in batch:
+                    if not entry.done.done():
+                        entry.done.set_exception(RuntimeError(f"generation failed: {e}"))
+            finally:
+                self.meter.stop()
+
+    def heartbeat(self) -> dict:
+        return {
+            **self.stats,
+            "version": self.engine.version,
+            "busy_frac": self.meter.busy_frac(),
+            "inflight_tasks": len(self._inflight),
+            "queued_seqs": len(self._queue),
+        }
+
+    async def run(self, stop: asyncio.Event) -> None:
+        sub = await self.bus.subscribe_weights(self.on_weights)
+        log.info(
+            "rollout_started", interruptible=self.interruptible, policy_version=self.engine.version
+        )
+        tasks = [
+            asyncio.create_task(self._generate_loop(stop)),
+            asyncio.create_task(heartbeat_loop(self.bus, self.heartbeat, stop)),
+        ]
+        try:
+            await self.bus.consume(
+                S.PROMPTS, Task, self.handle, max_inflight=self.max_concurrent_tasks, stop=stop
+            )
+        finally:
+            for t in tasks:
+                t.cancel()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()

@@ -1,0 +1,27 @@
+"""Shared fixtures: a real nats-server per test session (free port, temp store dir, stopped by
+its own PID), and a fresh run id per test so streams never collide."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from areal.bus.embedded import EmbeddedNats
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory):
+    server = EmbeddedNats(store_dir=tmp_path_factory.mktemp("nats")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server) -> str:
+    return nats_server.url
+
+
+@pytest.fixture
+def run_id() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"

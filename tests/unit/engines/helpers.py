@@ -1,0 +1,43 @@
+"""Shared helpers for the engine tests: a tiny random Qwen2 and an independent log-prob."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+
+
+def tiny_model(seed: int):
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(tiny_config()).eval()
+
+
+def full_logp(
+    model, prompt: list[int], output: list[int], temperature: float = 1.0
+) -> torch.Tensor:
+    """log_softmax(logits / T) of each output token from one plain forward over prompt + output."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]  # [T, V], position p predicts p + 1
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+
+
+def random_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 32, (n,), generator=g).tolist() for n in lengths]

@@ -1,0 +1,206 @@
+"""TorchTrainEngine: packed log-probs, PPO steps, export into the inference engine, checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal.algo.loss import PPOLossConfig
+from areal.engines.base import GenRequest, SamplingParams, TrainSeq, WeightUpdate
+from areal.engines.torch_infer import TorchInferenceEngine, weights_from_safetensors
+from areal.engines.torch_train import TorchTrainEngine
+from tests.unit.engines.helpers import full_logp, random_prompts
+
+SHAPES = [(3, 5), (7, 2), (1, 9), (4, 4), (2, 1), (5, 6)]  # (prompt, output) lengths
+
+
+def make_seqs(shapes=SHAPES, seed: int = 1, adv: float = 1.0) -> list[TrainSeq]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for p, t in shapes:
+        out.append(
+            TrainSeq(
+                prompt_ids=torch.randint(1, 32, (p,), generator=g),
+                output_ids=torch.randint(1, 32, (t,), generator=g),
+                behav_logp=torch.zeros(t),
+                versions=torch.zeros(t, dtype=torch.long),
+                adv=adv,
+            )
+        )
+    return out
+
+
+def with_behav(engine: TorchTrainEngine, seqs: list[TrainSeq]) -> list[TrainSeq]:
+    """On-policy samples: behaviour log-probs = current log-probs."""
+    for s, lp in zip(seqs, engine.compute_logp(seqs, 1), strict=True):
+        s.behav_logp = lp.clone()
+    return seqs
+
+
+@pytest.mark.parametrize(
+    "packing,attn",
+    [("ffd", "varlen"), ("ffd", "sdpa"), ("ffd", "eager"), ("fixed", "varlen"), ("fixed", "sdpa")],
+)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_logp_equals_each_sequence_alone(model_dir, ref_model, packing, attn, temperature):
+    eng = TorchTrainEngine(
+        model_dir,
+        packing=packing,
+        fixed_mb_size=4,
+        temperature=temperature,
+        attn_implementation=attn,
+    )
+    seqs = make_seqs()
+    logps = eng.compute_logp(seqs, max_tokens_per_mb=30)  # several sequences per micro-batch
+    for s, lp in zip(seqs, logps, strict=True):
+        expected = full_logp(ref_model, s.prompt_ids.tolist(), s.output_ids.tolist(), temperature)
+        torch.testing.assert_close(lp, expected, atol=1e-5, rtol=0)
+
+
+def test_varlen_attention_really_splits_segments(model_dir, monkeypatch):
+    from areal.engines import varlen_attn
+
+    seen = []
+    orig = varlen_attn.varlen_sdpa_forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("areal_seg_lens"))
+        return orig(*args, **kwargs)
+
+    eng = TorchTrainEngine(model_dir)
+    monkeypatch.setitem(
+        __import__("transformers").AttentionInterface._global_mapping, varlen_attn.NAME, spy
+    )
+    eng.compute_logp(make_seqs(), 1000)
+    assert len(seen) == 2  # one packed row (FFD order: longest first), two layers
+    assert seen[0] == sorted((p + t for p, t in SHAPES), reverse=True)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_explicit_block_mask_path_equals_builtin(model_dir, attn):
+    eng = TorchTrainEngine(model_dir, attn_implementation=attn)
+    seqs = make_seqs()
+    builtin = eng.compute_logp(seqs, 64)
+    eng.fwd.builtin_packed = False  # the path taken on transformers < 5
+    explicit = eng.compute_logp(seqs, 64)
+    for a, b in zip(builtin, explicit, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("prox_logp", ["recompute", "loglinear"])
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_positive_adv_raises_logp(model_dir, prox_logp, decoupled):
+    eng = TorchTrainEngine(
+        model_dir,
+        lr=1e-2,
+        prox_logp=prox_logp,
+        loss_cfg=PPOLossConfig(decoupled=decoupled),
+        n_minibatches=2,
+    )
+    seqs = with_behav(eng, make_seqs())
+    before = torch.cat(eng.compute_logp(seqs, 64)).sum()
+    stats = eng.train_step(seqs, max_tokens_per_mb=20)
+    after = torch.cat(eng.compute_logp(seqs, 64)).sum()
+    assert after > before
+    assert eng.version == 1
+    assert stats["n_tokens"] == sum(t for _, t in SHAPES)
+    assert stats["tokens"] == sum(p + t for p, t in SHAPES)
+    assert stats["padding_frac"] == 0.0
+    assert stats["n_microbatches"] >= 2
+    assert stats["loss"] == pytest.approx(-1.0, abs=0.05)  # ~on-policy, adv 1: -mean(ratio * A)
+    for key in ("grad_norm", "lr", "time_s", "clipfrac", "approx_kl", "behav_imp_weight_mean"):
+        assert key in stats
+
+
+def test_negative_adv_lowers_logp_and_fixed_packing_reports_padding(model_dir):
+    eng = TorchTrainEngine(model_dir, lr=1e-2, packing="fixed", fixed_mb_size=3)
+    seqs = with_behav(eng, make_seqs(adv=-1.0))
+    before = torch.cat(eng.compute_logp(seqs, 64)).sum()
+    stats = eng.train_step(seqs, max_tokens_per_mb=20)
+    assert torch.cat(eng.compute_logp(seqs, 64)).sum() < before
+    assert stats["n_microbatches"] == 2 and 0.0 < stats["padding_frac"] < 1.0
+
+
+def test_micro_batch_split_does_not_change_the_step(model_dir):
+    """Gradient accumulation over micro-batches = one big batch (same denominator)."""
+    a = TorchTrainEngine(model_dir, lr=1e-2)
+    b = TorchTrainEngine(model_dir, lr=1e-2)
+    seqs = with_behav(a, make_seqs())
+    sa = a.train_step(seqs, max_tokens_per_mb=1000)
+    sb = b.train_step(make_seqs_like(seqs), max_tokens_per_mb=12)
+    assert sa["n_microbatches"] == 1 and sb["n_microbatches"] > 1
+    assert sa["loss"] == pytest.approx(sb["loss"], abs=1e-5)
+    assert sa["grad_norm"] == pytest.approx(sb["grad_norm"], rel=1e-4)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-4)  # the accumulated grads
+
+
+def make_seqs_like(seqs: list[TrainSeq]) -> list[TrainSeq]:
+    return [
+        TrainSeq(s.prompt_ids, s.output_ids, s.behav_logp.clone(), s.versions, s.adv) for s in seqs
+    ]
+
+
+def test_export_round_trip_into_inference_engine(model_dir, tmp_path):
+    train = TorchTrainEngine(model_dir, lr=1e-2)
+    train.train_step(with_behav(train, make_seqs()), 64)
+    blob = train.export_safetensors()
+    state = weights_from_safetensors(blob)
+    assert set(state) == set(train.model.state_dict())
+
+    infer = TorchInferenceEngine(model_dir)
+    infer.load_weights(WeightUpdate(version=train.version, state_dict=state))
+    assert infer.version == 1
+    prompt = random_prompts([4])[0]
+    out = infer.generate([GenRequest("a", prompt)], SamplingParams(max_new_tokens=6))[0]
+    seq = TrainSeq(
+        torch.tensor(prompt), torch.tensor(out.output_ids), torch.zeros(6), torch.zeros(6), 0.0
+    )
+    torch.testing.assert_close(
+        train.compute_logp([seq], 64)[0], torch.tensor(out.behav_logp), atol=1e-4, rtol=0
+    )
+
+
+def test_save_pretrained_is_loadable_and_keeps_tokenizer_files(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    train = TorchTrainEngine(model_dir, lr=1e-2)
+    train.train_step(with_behav(train, make_seqs()), 64)
+    dst = tmp_path / "hf"
+    train.save_pretrained(str(dst))
+    train.save_pretrained(str(dst))  # overwrite in place
+    assert json.loads((dst / "tokenizer_config.json").read_text()) == {}
+    assert "areal_varlen" not in (dst / "config.json").read_text()  # loadable without our attention
+    reloaded = AutoModelForCausalLM.from_pretrained(dst, local_files_only=True).eval()
+    s = make_seqs()[0]
+    expected = full_logp(reloaded, s.prompt_ids.tolist(), s.output_ids.tolist())
+    torch.testing.assert_close(train.compute_logp([s], 64)[0], expected, atol=1e-5, rtol=0)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp leftovers
+
+
+def test_checkpoint_round_trip_resumes_identically(model_dir, tmp_path):
+    ckpt = str(tmp_path / "ckpt" / "state.pt")
+    a = TorchTrainEngine(model_dir, lr=1e-2)
+    a.train_step(with_behav(a, make_seqs()), 64)
+    a.save_checkpoint(ckpt)
+    seqs2 = make_seqs(seed=2, adv=-0.5)
+    with_behav(a, seqs2)
+    sa = a.train_step(make_seqs_like(seqs2), 64)
+
+    b = TorchTrainEngine(model_dir, lr=1e-2)
+    b.load_checkpoint(ckpt)
+    assert b.version == 1
+    sb = b.train_step(make_seqs_like(seqs2), 64)  # needs the restored Adam moments to match
+    assert a.version == b.version == 2
+    assert sa["loss"] == pytest.approx(sb["loss"], abs=1e-6)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, atol=1e-7, rtol=0)
+    assert [p.name for p in Path(ckpt).parent.iterdir()] == ["state.pt"]
+
+
+def test_missing_checkpoint_is_a_clear_error(model_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        TorchTrainEngine(model_dir).load_checkpoint(str(tmp_path / "nope.pt"))
