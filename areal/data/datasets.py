@@ -1,0 +1,144 @@
+"""File task sources: local JSONL and Parquet files of {prompt, answer, ...} records.
+
+Invariants:
+- The whole file is read and validated at construction: a record without the prompt or answer
+  field (or with a null / non-scalar value) fails right there with the file, line (JSONL) or row
+  (Parquet, 0-based) and field name, never later in the middle of a run.
+- `get(index)` wraps around: epoch `index // len`, position `index % len`. Without shuffle,
+  `get(i) == get(i % len)`; with `shuffle=True` each epoch is a permutation of the records
+  drawn from (seed, epoch), so it is still a pure function of (file, seed, index).
+- `TaskItem.metadata` holds every other field of the record plus `source` and `line` / `row`.
+- Non-string answers (e.g. JSON numbers) are converted with `str`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from areal.data.tasks import TaskItem
+
+
+class _Records:
+    """Validated records of one file plus the epoch-permutation logic (shared by both loaders)."""
+
+    def __init__(self, items: list[tuple[str, str, dict[str, Any]]], shuffle: bool, seed: int):
+        self.items, self.shuffle, self.seed = items, shuffle, seed
+        self._perm_epoch: int | None = None
+        self._perm: list[int] = []
+
+    def get(self, index: int) -> TaskItem:
+        if index < 0:
+            raise IndexError(f"task index must be >= 0, got {index}")
+        n = len(self.items)
+        epoch, pos = divmod(index, n)
+        if self.shuffle:
+            if self._perm_epoch != epoch:
+                self._perm = list(range(n))
+                random.Random(f"epoch:{self.seed}:{epoch}").shuffle(self._perm)
+                self._perm_epoch = epoch
+            pos = self._perm[pos]
+        prompt, answer, metadata = self.items[pos]
+        return TaskItem(index, prompt, answer, dict(metadata))
+
+
+def _field(record: dict[str, Any], name: str, where: str) -> str:
+    if name not in record or record[name] is None:
+        raise ValueError(f"{where}: record has no {name!r} field (fields: {sorted(record)})")
+    value = record[name]
+    if isinstance(value, (dict, list)):
+        raise ValueError(f"{where}: field {name!r} must be a string or number, got {value!r:.80}")
+    return value if isinstance(value, str) else str(value)
+
+
+def _item(record: Any, prompt_field: str, answer_field: str, where: str, extra: dict[str, Any]):
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    prompt = _field(record, prompt_field, where)
+    answer = _field(record, answer_field, where)
+    meta = {k: v for k, v in record.items() if k not in (prompt_field, answer_field)}
+    return prompt, answer, {**meta, **extra}
+
+
+class JsonlTaskSource:
+    """One JSON object per line; blank lines are skipped."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        prompt_field: str = "prompt",
+        answer_field: str = "answer",
+        shuffle: bool = False,
+        seed: int = 0,
+    ):
+        self.path = Path(path)
+        self.name = str(self.path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"dataset file {self.path} does not exist")
+        items = []
+        with self.path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{self.path}:{line_no}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+                extra = {"source": str(self.path), "line": line_no}
+                items.append(_item(record, prompt_field, answer_field, where, extra))
+        if not items:
+            raise ValueError(f"dataset file {self.path} has no records")
+        self._records = _Records(items, shuffle, seed)
+
+    def __len__(self) -> int:
+        return len(self._records.items)
+
+    def get(self, index: int) -> TaskItem:
+        return self._records.get(index)
+
+
+class ParquetTaskSource:
+    """A Parquet table with (at least) the prompt and answer columns. Needs pyarrow."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        prompt_field: str = "prompt",
+        answer_field: str = "answer",
+        shuffle: bool = False,
+        seed: int = 0,
+    ):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ImportError(
+                "reading Parquet datasets needs pyarrow: pip install 'areal-bus[parquet]'"
+            ) from None
+        self.path = Path(path)
+        self.name = str(self.path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"dataset file {self.path} does not exist")
+        table = pq.read_table(self.path)
+        for col in (prompt_field, answer_field):
+            if col not in table.column_names:
+                raise ValueError(
+                    f"{self.path}: no {col!r} column (columns: {table.column_names}); "
+                    "pass prompt_field= / answer_field= to name the right ones"
+                )
+        items = []
+        for row, record in enumerate(table.to_pylist()):
+            where = f"{self.path}: row {row}"
+            extra = {"source": str(self.path), "row": row}
+            items.append(_item(record, prompt_field, answer_field, where, extra))
+        if not items:
+            raise ValueError(f"dataset file {self.path} has no records")
+        self._records = _Records(items, shuffle, seed)
+
+    def __len__(self) -> int:
+        return len(self._records.items)
+
+    def get(self, index: int) -> TaskItem:
+        return self._records.get(index)
