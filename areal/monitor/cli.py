@@ -1,0 +1,179 @@
+"""`areal tap | top | plot | metrics-exporter`: registered on the main `areal` parser.
+
+Handlers import their modules (rich, matplotlib, prometheus_client, nats) only when run, so
+`areal --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+STREAMS_HELP = "prompts | trajectories | rewards | weights | metrics | events | dlq"
+
+
+def _add_conn(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--run",
+        dest="run_id",
+        help="run id (default: $AREAL_RUN_ID, else the only run on the server)",
+    )
+    p.add_argument("--nats-url", help="NATS server (default: $NATS_URL or nats://127.0.0.1:4222)")
+
+
+def _quiet_logs(role: str) -> None:
+    """Library logs (reconnects, ...) go to stderr and only from ERROR up, so stdout stays data."""
+    import os
+
+    from areal.logging import setup_logging
+
+    setup_logging(level=os.environ.get("AREAL_LOG_LEVEL", "ERROR"), role=role)
+
+
+def _conn(args: argparse.Namespace) -> tuple[str, str]:
+    from areal.monitor.live import default_url, resolve_run
+
+    _quiet_logs(args.cmd)
+
+    url = default_url(args.nats_url)
+    return url, asyncio.run(resolve_run(url, args.run_id))
+
+
+def _fail(e: Exception) -> int:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+def cmd_tap(args: argparse.Namespace) -> int:
+    from areal.bus.tap import stream_of
+    from areal.monitor.tap import Tap, load_detokenizer, run_tap
+
+    try:
+        stream_of(args.stream)  # a typo fails before any connection
+        url, run_id = _conn(args)
+        tok = load_detokenizer(args.tokenizer) if args.tokenizer else None
+        fields = [f.strip() for f in args.fields.split(",") if f.strip()] if args.fields else None
+        tap = Tap(
+            emit=lambda line: print(line, flush=True),
+            as_json=args.json,
+            fields=fields,
+            tokenizer=tok,
+            count=args.count,
+        )
+        return asyncio.run(
+            run_tap(url, run_id, args.stream, tap=tap, history=args.history, timeout_s=args.timeout)
+        )
+    except KeyboardInterrupt:
+        return 130
+    except (ConnectionError, LookupError, ValueError, FileNotFoundError) as e:
+        return _fail(e)
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from areal.monitor.top import run_top
+
+    try:
+        url, run_id = _conn(args)
+        return asyncio.run(
+            run_top(url, run_id, once=args.once, interval_s=args.interval, collect_s=args.collect)
+        )
+    except KeyboardInterrupt:
+        return 0
+    except (ConnectionError, LookupError, ValueError) as e:
+        return _fail(e)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from areal.monitor.plots import plot_run
+
+    try:
+        paths, notes = plot_run(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        return _fail(e)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    for p in paths:
+        print(p)
+    return 0
+
+
+def cmd_exporter(args: argparse.Namespace) -> int:
+    from areal.monitor.exporter import run_exporter
+    from areal.monitor.writers import MissingExtra, make_writers
+
+    try:
+        url, run_id = _conn(args)
+        writers = make_writers(
+            tensorboard=args.tensorboard, wandb_project=args.wandb, run_name=run_id
+        )
+        return asyncio.run(
+            run_exporter(
+                url,
+                run_id,
+                port=args.port,
+                addr=args.addr,
+                interval_s=args.interval,
+                writers=writers,
+            )
+        )
+    except KeyboardInterrupt:
+        return 0
+    except MissingExtra as e:
+        return _fail(e)
+    except (ConnectionError, LookupError, ValueError, OSError) as e:
+        return _fail(e)
+
+
+def add_monitor_commands(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("tap", help="decode the messages on a stream of a run, live")
+    t.add_argument(
+        "stream", help=f"{STREAMS_HELP}; a sub-subject narrows it, e.g. metrics.trainer.step"
+    )
+    _add_conn(t)
+    t.add_argument("--json", action="store_true", help="one JSON object per line")
+    t.add_argument("--fields", help="comma-separated fields to show, e.g. reward,sample.worker_id")
+    t.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first replay the last N stored messages (-1: all; work queues: still queued)",
+    )
+    t.add_argument("--count", type=int, metavar="N", help="exit after N messages")
+    t.add_argument("--timeout", type=float, metavar="S", help="exit after S seconds")
+    t.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="model dir, or run dir / config.json naming it, to decode token ids",
+    )
+    t.set_defaults(fn=cmd_tap)
+
+    p = sub.add_parser("top", help="live dashboard of a running run")
+    _add_conn(p)
+    p.add_argument("--once", action="store_true", help="print every panel once and exit")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="refresh period")
+    p.add_argument(
+        "--collect",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="with --once: seconds to collect history and heartbeats first",
+    )
+    p.set_defaults(fn=cmd_top)
+
+    pl = sub.add_parser("plot", help="PNG plots from a run dir's metrics.jsonl")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", help="output dir (default: RUN_DIR/plots)")
+    pl.set_defaults(fn=cmd_plot)
+
+    e = sub.add_parser("metrics-exporter", help="Prometheus exporter for a run's metrics")
+    _add_conn(e)
+    e.add_argument("--port", type=int, default=9400)
+    e.add_argument("--addr", default="0.0.0.0", help="listen address")
+    e.add_argument(
+        "--interval", type=float, default=2.0, metavar="S", help="queue-depth poll period"
+    )
+    e.add_argument("--tensorboard", metavar="LOGDIR", help="also log step records to TensorBoard")
+    e.add_argument("--wandb", metavar="PROJECT", help="also log step records to Weights & Biases")
+    e.set_defaults(fn=cmd_exporter)

@@ -1,0 +1,65 @@
+"""Attach a RunState to a running run: replay history, then follow live (for top, exporter).
+
+What is replayed on attach: every step record (so curves are full), the heartbeats of the last
+`LIVE_S + 5` seconds (so live workers and their rates show at once), the latest admission
+record, every event and dead letter. Work-queue traffic (trajectories, rewards) is watched with
+core subscriptions only, never a consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from dataclasses import asdict
+
+from areal.bus.codec import DecodeError
+from areal.bus.tap import TapClient, TapMessage, discover_run
+from areal.monitor.format import decode_for
+from areal.monitor.state import LIVE_S, RunState
+from schemas import subjects as S
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+def default_url(url: str | None) -> str:
+    return url or os.environ.get("NATS_URL") or DEFAULT_NATS_URL
+
+
+async def resolve_run(url: str, run_id: str | None) -> str:
+    """`--run`, else `$AREAL_RUN_ID`, else the only run on the server."""
+    return run_id or os.environ.get("AREAL_RUN_ID") or await discover_run(url)
+
+
+async def attach(
+    client: TapClient, state: RunState, *, step_history: bool = True, traffic: bool = True
+) -> None:
+    state.run_id = client.names.run_id
+    state.observing_since = time.time()
+
+    async def on_msg(tm: TapMessage) -> None:
+        with contextlib.suppress(DecodeError, KeyError):
+            state.fold(decode_for(tm.subject, tm.data), tm.received_at)
+
+    await client.follow("metrics.trainer.step", on_msg, history=-1 if step_history else 1)
+    await client.follow("metrics.*.heartbeat", on_msg, since_s=LIVE_S + 5)
+    await client.follow("metrics.controller.admission", on_msg, history=1)
+    await client.follow(S.EVENTS, on_msg, history=-1)
+    await client.follow(S.DLQ, on_msg, history=-1)
+    if traffic:
+        await client.follow(S.TRAJECTORIES, on_msg)
+        await client.follow(S.REWARDS, on_msg)
+
+
+async def refresh(client: TapClient, state: RunState) -> None:
+    """Poll the snapshots that have no message stream: queue depths and the KV run state."""
+    state.set_queues({k: asdict(v) for k, v in (await client.stream_stats()).items()})
+    state.kv = await client.kv_state()
+
+
+async def refresh_every(client: TapClient, state: RunState, interval_s: float) -> None:
+    while True:
+        with contextlib.suppress(Exception):
+            await refresh(client, state)
+        await asyncio.sleep(interval_s)

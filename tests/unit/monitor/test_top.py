@@ -1,0 +1,67 @@
+"""`areal top` rendering: every panel from a RunState, as plain text, plus the small glyph helpers."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console, Group
+
+from areal.monitor.state import RunState
+from areal.monitor.top import PANEL_TITLES, bar, dashboard, render_panels, sparkline
+from schemas import MetricRecord
+from tests.unit.monitor.test_state import beat, step
+
+
+def text_of(renderable, width: int = 120) -> str:
+    buf = io.StringIO()
+    Console(file=buf, width=width, no_color=True, force_terminal=False).print(renderable)
+    return buf.getvalue()
+
+
+def test_sparkline_scales_between_min_and_max():
+    assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"  # 0.5 * 7 = 3.5 rounds to index 4
+    assert sparkline([2.0, 2.0]) == "▅▅"  # flat: mid level
+    assert sparkline([]) == ""
+    assert len(sparkline(list(range(100)), width=10)) == 10
+    assert bar(0.25, 8) == "██······" and bar(2.0, 4) == "████"
+
+
+def test_every_panel_renders_from_an_empty_state():
+    out = text_of(Group(*render_panels(RunState(run_id="r"), now=0.0)))
+    for title in PANEL_TITLES:
+        assert title in out
+    assert "\x1b[" not in out
+
+
+def test_panels_show_real_numbers():
+    st = RunState(run_id="demo")
+    for n in range(1, 4):
+        st.fold(step(n, float(n), staleness_hist={"0": 60, "2": 4}))
+    st.fold(
+        beat("rollout-0", 1003.0, samples=10, tokens=20, busy_frac=0.2, version=2, inflight_tasks=3)
+    )
+    st.fold(
+        MetricRecord(
+            role="controller",
+            worker_id="controller-0",
+            type="admission",
+            time=1003.0,
+            values={"admitted": 24, "outstanding": 24, "capacity": 40},
+        )
+    )
+    st.set_queues({"prompts": {"messages": 5, "ack_pending": 2, "pending": 3, "redelivered": 0}})
+    out = text_of(Group(*render_panels(st, now=1003.5)))
+    assert "run demo  [running]" in out
+    assert "policy version 3" in out
+    assert "step rate 1/s" in out
+    assert "rollout-0" in out and "controller-0" in out and "inflight_tasks=3" in out
+    assert "lag  2" in out and "12" in out  # 3 steps x 4 samples at lag 2
+    assert "capacity 40" in out
+    assert "prompts" in out
+    assert "rollout  " in out and "80%" in out  # idle = 1 - 0.2
+
+
+def test_live_layout_renders():
+    st = RunState(run_id="r")
+    st.fold(step(1, 1.0))
+    assert "Reward" in text_of(dashboard(st, now=1001.0), width=160)
