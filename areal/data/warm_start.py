@@ -41,7 +41,7 @@ from areal.data.tokenizer import load_tokenizer
 
 __all__ = ["DEFAULT_RECIPES", "SftRecipe", "ensure_warm_model", "evaluate_accuracy", "warm_key"]
 
-WARM_CODE_VERSION = "warm-v1"
+WARM_CODE_VERSION = "warm-v2"
 # One intra-op thread: the tiny model's matmuls gain nothing from more, and on a shared 2-core
 # box two OpenMP threads made a training step ~80x slower (3.4 s vs 0.04 s) under load.
 WARM_NUM_THREADS = 1
@@ -54,14 +54,18 @@ class SftRecipe:
     lr: float
     batch_size: int = 64
     warmup_steps: int = 10
+    label_smoothing: float = 0.0
 
 
 # Calibrated on a shared 2-core CPU, lr constant after warmup. Arithmetic accuracy (T=1 / greedy)
 # vs steps, seed 0: 300 -> 0.17 / 0.31, 350 -> 0.25 / 0.40, 400 -> 0.31 / 0.51, 500 -> 0.42 / 0.67.
 # lr 3e-3 learns far slower (0.06 / 0.07 at 400 steps). Running sum: ~0.50 / 0.51 at 300 steps,
 # mostly the one-term tasks (the long tail is what RL has to learn).
+# The arithmetic default is longer and label-smoothed (0.1): the model then decodes greedily
+# right more often than it samples right (it knows, but is unsure), the regime where RL shows a
+# clear rise within minutes (measured: greedy 0.60 / T=1 0.45 / T=1.5 ~0.08 at 1500 steps).
 DEFAULT_RECIPES: dict[str, SftRecipe] = {
-    "synthetic:arithmetic": SftRecipe(steps=400, lr=1e-3),
+    "synthetic:arithmetic": SftRecipe(steps=1500, lr=3e-3, label_smoothing=0.1),
     "synthetic:running_sum": SftRecipe(steps=300, lr=1e-3),
 }
 FALLBACK_RECIPE = SftRecipe(steps=200, lr=1e-3)
@@ -125,7 +129,12 @@ def train_sft(model_dir: Path, source: TaskSource, recipe: SftRecipe, seed: int)
     for step in range(recipe.steps):
         first = start + step * recipe.batch_size
         batch = _batch(source, tokenizer, list(range(first, first + recipe.batch_size)))
-        loss = model(**batch).loss
+        labels = batch.pop("labels")[:, 1:]  # [B, S-1]: logits at p predict token p+1
+        logits = model(**batch).logits[:, :-1]  # [B, S-1, V]
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+            ignore_index=-100, label_smoothing=recipe.label_smoothing,
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -156,6 +165,7 @@ def ensure_warm_model(
         lr=base.lr if lr is None else lr,
         batch_size=base.batch_size,
         warmup_steps=min(base.warmup_steps, max(1, sft_steps or base.steps)),
+        label_smoothing=base.label_smoothing,
     )
     if recipe.steps < 0:
         raise ValueError(f"sft_steps must be >= 0, got {recipe.steps}")

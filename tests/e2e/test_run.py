@@ -60,7 +60,7 @@ def test_async_run_learns_and_keeps_its_invariants(tmp_path):
     out = tmp_path / "run"
     res = areal("run", str(EXAMPLE), "--out", str(out), "--quiet")
     assert res.returncode == 0, res.stderr[-3000:]
-    summary = check_invariants(out, eta=4, B=8)
+    summary = check_invariants(out, eta=4, B=16)
     assert summary["reward_last5"] > summary["reward_first5"] + 0.15, summary
     assert (out / "final" / "config.json").exists()
     assert json.loads((out / "config.json").read_text())["algo"]["max_staleness"] == 4
@@ -82,7 +82,7 @@ def test_synchronous_mode_trains_each_step_on_its_own_version(tmp_path):
         "rollout.interruptible=false",
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    check_invariants(out, eta=0, B=8)
+    check_invariants(out, eta=0, B=16)
     for r in records(out):
         assert r["token_version_min"] == r["token_version_max"] == r["trained_on_version"], r
         assert r["staleness_hist_tokens"] == {"0": r["tokens"]}
