@@ -54,16 +54,19 @@ class Lease:
     def num_delivered(self) -> int:
         return self.msg.metadata.num_delivered
 
+    def _settle(self) -> None:
+        self.settled = True
+        self.bus._leases.discard(self)
+        self.bus._settled.set()  # wakes a consume loop waiting for room
+
     async def ack(self) -> None:
         if not self.settled:
-            self.settled = True
-            self.bus._leases.discard(self)
+            self._settle()
             await self.msg.ack()
 
     async def nak(self, delay_s: float | None = None) -> None:
         if not self.settled:
-            self.settled = True
-            self.bus._leases.discard(self)
+            self._settle()
             await self.msg.nak(delay=delay_s)
 
     async def dead_letter(self, reason: str) -> None:
@@ -84,6 +87,7 @@ class Bus:
         self.role, self.worker_id = role, worker_id
         self.opts = opts or BusOptions()
         self._leases: set[Lease] = set()
+        self._settled = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._heartbeat_task: asyncio.Task | None = None
         self._kv = None
@@ -198,7 +202,9 @@ class Bus:
                 mine = {lease for lease in mine if not lease.settled}
                 room = max_inflight - len(mine)
                 if room <= 0:
-                    await asyncio.sleep(0.01)
+                    self._settled.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._settled.wait(), 0.5)
                     continue
                 try:
                     msgs = await psub.fetch(room, timeout=fetch_timeout_s)

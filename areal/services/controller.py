@@ -23,6 +23,7 @@ import structlog
 from areal.algo.staleness import admissible_count, admission_capacity
 from areal.bus.client import Bus
 from areal.bus.codec import pack
+from areal.services.common import heartbeat_loop
 from schemas import Task
 from schemas import subjects as S
 
@@ -56,6 +57,7 @@ class Controller:
             total_steps,
         )
         self.state = {"admitted": 0, "cursor": 0}
+        self._trainer = trainer_state_default()
 
     def _make_task(self, seq: int, version: int) -> Task:
         item = self.source.get(self.state["cursor"])
@@ -97,18 +99,33 @@ class Controller:
             )
         return max(0, n)
 
+    def heartbeat(self) -> dict:
+        t = self._trainer
+        returned = t["dropped_stale"] + t["filtered"]
+        return {
+            **self.state,
+            "version": t["version"],
+            "outstanding": self.state["admitted"] - returned,
+            "capacity": admission_capacity(t["version"], self.eta, self.B),
+            "busy_frac": 0.0,
+        }
+
     async def run(self, stop: asyncio.Event) -> None:
         self.state = await self.bus.kv_get(CONTROLLER_KEY) or self.state
         log.info("controller_started", **self.state)
         watcher = await self.bus.kv_watch(TRAINER_KEY)
         trainer = await self.bus.kv_get(TRAINER_KEY) or trainer_state_default()
+        self._trainer = trainer
+        hb = asyncio.create_task(heartbeat_loop(self.bus, self.heartbeat, stop))
         try:
             while not stop.is_set() and not trainer.get("done"):
                 await self.admit_once(trainer)
                 with contextlib.suppress(asyncio.TimeoutError, Exception):
                     await watcher.updates(timeout=1.0)
                 trainer = await self.bus.kv_get(TRAINER_KEY) or trainer_state_default()
+                self._trainer = trainer
         finally:
+            hb.cancel()
             with contextlib.suppress(Exception):
                 await watcher.stop()
         log.info("controller_stopped", **self.state)

@@ -17,6 +17,7 @@ import structlog
 
 from areal.bus.client import Bus, Lease
 from areal.rewards.registry import get_reward_fn
+from areal.services.common import BusyMeter, heartbeat_loop
 from schemas import Sample, ScoredSample
 from schemas import subjects as S
 
@@ -38,7 +39,8 @@ class RewardService:
         )
         self.pool = self._new_pool()
         self.n_scored = 0
-        self.busy_s = 0.0
+        self.n_errors = 0
+        self.meter = BusyMeter()
 
     def _new_pool(self) -> cf.ProcessPoolExecutor:
         return cf.ProcessPoolExecutor(self.pool_workers, mp_context=mp.get_context("spawn"))
@@ -65,11 +67,15 @@ class RewardService:
         except Exception as e:  # user scorer failed: reward 0, reason kept
             reward, detail["error"] = 0.0, f"{type(e).__name__}: {e}"
         detail["time_s"] = round(time.perf_counter() - t0, 6)
-        self.busy_s += detail["time_s"]
+        self.n_errors += "error" in detail
         return reward, detail
 
     async def handle(self, sample: Sample, lease: Lease) -> None:
-        reward, detail = await self.score(sample)
+        self.meter.start()
+        try:
+            reward, detail = await self.score(sample)
+        finally:
+            self.meter.stop()
         scored = ScoredSample(
             sample=sample, reward=reward, verifier=detail, reward_worker_id=self.bus.worker_id
         )
@@ -79,9 +85,19 @@ class RewardService:
 
     async def run(self, stop: asyncio.Event) -> None:
         log.info("reward_started", fn=self.fn_name)
+        hb = asyncio.create_task(heartbeat_loop(self.bus, self.heartbeat, stop))
         try:
             await self.bus.consume(
-                S.TRAJECTORIES, Sample, self.handle, max_inflight=4 * self.pool_workers, stop=stop
+                S.TRAJECTORIES, Sample, self.handle, max_inflight=64 * self.pool_workers, stop=stop
             )
         finally:
+            hb.cancel()
             self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def heartbeat(self) -> dict:
+        return {
+            "samples": self.n_scored,
+            "errors": self.n_errors,
+            "busy_frac": self.meter.busy_frac(),
+            "fn": self.fn_name,
+        }

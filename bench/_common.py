@@ -1,0 +1,77 @@
+"""Helpers shared by the benchmarks: machine header, markdown tables, percentiles, repeats.
+
+Benchmarks run on shared, small machines: every number is the median (or best) of repeats, and
+the header says which machine, how many torch threads and which command produced it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_header(extra: dict[str, str] | None = None) -> str:
+    """Markdown bullet list: machine, load, torch threads, command."""
+    import torch
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    lines = [
+        f"- machine: {os.cpu_count()} CPUs (nproc), {cpu_model()}, {platform.system()} "
+        f"{platform.release()}, Python {platform.python_version()}",
+        f"- torch {torch.__version__}, torch threads {torch.get_num_threads()}, "
+        f"load average at start {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}",
+        f"- command: `{command_line()}`",
+    ]
+    for k, v in (extra or {}).items():
+        lines.append(f"- {k}: {v}")
+    return "\n".join(lines)
+
+
+def command_line() -> str:
+    script = os.path.relpath(sys.argv[0], REPO_ROOT)
+    return "python " + " ".join(shlex.quote(a) for a in [script, *sys.argv[1:]])
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank-with-interpolation percentile (q in [0, 100]) of a non-empty sequence."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def write_result(name: str, text: str) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / name
+    path.write_text(text)
+    return path
