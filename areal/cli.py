@@ -41,7 +41,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(role="launcher")
     from areal.launch.local import Launcher
 
-    return Launcher(settings, resume=args.resume, quiet=args.quiet).run()
+    return Launcher(
+        settings, resume=args.resume, quiet=args.quiet, max_restarts=args.max_restarts
+    ).run()
 
 
 def cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
@@ -86,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue the run in --out instead of starting fresh"
     )
     r.add_argument("--quiet", action="store_true", help="no progress output")
+    r.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="restart a crashed worker up to N times (default 3)",
+    )
     r.set_defaults(fn=cmd_run)
 
     w = sub.add_parser(

@@ -39,11 +39,22 @@ RUN_ARTIFACTS = (
 
 
 class Launcher:
-    def __init__(self, settings: RunSettings, *, resume: bool = False, quiet: bool = False) -> None:
+    def __init__(
+        self,
+        settings: RunSettings,
+        *,
+        resume: bool = False,
+        quiet: bool = False,
+        max_restarts: int = 3,
+    ) -> None:
         self.s = settings
         self.out = Path(settings.out_dir)
         self.resume, self.quiet = resume, quiet
+        self.max_restarts = max_restarts
         self.procs: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {}
+        self._cfg_path: Path | None = None
+        self._env: dict[str, str] = {}
         self.server: EmbeddedNats | None = None
 
     def prepare(self) -> Path:
@@ -67,44 +78,39 @@ class Launcher:
         return cfg_path
 
     def spawn(self, cfg_path: Path) -> None:
+        self._cfg_path = cfg_path
         roles = [("controller", 0), ("trainer", 0)]
         roles += [("reward", i) for i in range(self.s.replicas.get("reward", 1))]
         roles += [("rollout", i) for i in range(self.s.replicas.get("rollout", 1))]
-        env = {
-            **os.environ,
-            "AREAL_LOG_FORMAT": os.environ.get("AREAL_LOG_FORMAT", "console"),
-            "PYTHONUNBUFFERED": "1",
-        }
-        for key in [
-            k
-            for k in env
-            if k.startswith("AREAL_")
-            and k not in ("AREAL_LOG_FORMAT", "AREAL_LOG_LEVEL", "AREAL_CACHE_DIR")
-        ]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        keep = ("AREAL_LOG_FORMAT", "AREAL_LOG_LEVEL", "AREAL_CACHE_DIR")
+        for key in [k for k in env if k.startswith("AREAL_") and k not in keep]:
             env.pop(key)  # the resolved config.json already holds every setting
+        self._env = env
         for role, i in roles:
-            threads = (
-                self.s.train.torch_threads if role == "trainer" else self.s.rollout.torch_threads
-            )
-            wid = f"{role}-{i}"
-            logf = open(self.out / "logs" / f"{wid}.log", "ab")  # noqa: SIM115 - owned by child
-            self.procs[wid] = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    f"workers.{role}",
-                    "--config",
-                    str(cfg_path),
-                    "--worker-id",
-                    wid,
-                ],
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**env, "OMP_NUM_THREADS": str(threads)},
-                preexec_fn=die_with_parent,
-            )
-            logf.close()
+            self._start(f"{role}-{i}")
+
+    def _start(self, wid: str) -> None:
+        role = wid.rsplit("-", 1)[0]
+        threads = self.s.train.torch_threads if role == "trainer" else self.s.rollout.torch_threads
+        logf = open(self.out / "logs" / f"{wid}.log", "ab")  # noqa: SIM115 - owned by child
+        self.procs[wid] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                f"workers.{role}",
+                "--config",
+                str(self._cfg_path),
+                "--worker-id",
+                wid,
+            ],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**self._env, "OMP_NUM_THREADS": str(threads)},
+            preexec_fn=die_with_parent,
+        )
+        logf.close()
 
     def stop_all(self, timeout_s: float = 15.0) -> None:
         for p in self.procs.values():
@@ -149,16 +155,29 @@ class Launcher:
             with progress:
                 while True:
                     trainer = self.procs["trainer-0"]
-                    if trainer.poll() is not None:
-                        return trainer.returncode
-                    for wid, p in self.procs.items():
-                        if p.poll() is not None and p.returncode != 0:
+                    if trainer.poll() == 0:
+                        return 0
+                    for wid, p in list(self.procs.items()):
+                        if p.poll() is None or (p.returncode == 0 and wid != "trainer-0"):
+                            continue
+                        if self.restarts.get(wid, 0) >= self.max_restarts:
                             print(
-                                f"worker {wid} exited with {p.returncode}; last log lines:\n"
+                                f"worker {wid} exited with {p.returncode} after "
+                                f"{self.restarts.get(wid, 0)} restarts; last log lines:\n"
                                 f"{self._log_tail(wid)}",
                                 file=sys.stderr,
                             )
                             return p.returncode or 1
+                        # crash recovery: the bus redelivers its unfinished work; the trainer
+                        # resumes from its checkpoint, the controller from its KV cursor
+                        self.restarts[wid] = self.restarts.get(wid, 0) + 1
+                        log.warning(
+                            "worker_restarted",
+                            worker=wid,
+                            exit_code=p.returncode,
+                            restarts=self.restarts[wid],
+                        )
+                        self._start(wid)
                     await asyncio.sleep(0.2)
         finally:
             if nc is not None:
