@@ -34,6 +34,7 @@ class GenRequest:
     prefix_ids: list[int] = field(default_factory=list)
     prefix_logp: list[float] = field(default_factory=list)
     prefix_versions: list[int] = field(default_factory=list)
+    max_new_tokens: int | None = None  # per-request cap; None = SamplingParams.max_new_tokens
 
 
 @dataclass
@@ -58,6 +59,9 @@ class WeightUpdate:
 PollWeights = Callable[[], "WeightUpdate | None"]
 # Called by the engine after each finished sequence (so a worker can publish it at once).
 OnFinished = Callable[[GenOutput], None]
+# Called by the engine at token boundaries while it has free rows: new requests to admit into
+# the running batch (continuous batching across calls). Must be cheap and thread-safe.
+PollRequests = Callable[[], "list[GenRequest]"]
 
 
 class InferenceEngine(Protocol):
@@ -70,7 +74,10 @@ class InferenceEngine(Protocol):
         poll_weights: PollWeights | None = None,
         on_finished: OnFinished | None = None,
         should_abort: Callable[[str], bool] | None = None,
-    ) -> list[GenOutput]: ...
+        poll_requests: PollRequests | None = None,
+    ) -> list[GenOutput]:
+        """Outputs of `requests` in order, then of any admitted via `poll_requests`."""
+        ...
 
     def load_weights(self, update: WeightUpdate) -> None: ...
 

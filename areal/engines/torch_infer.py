@@ -36,6 +36,7 @@ from areal.engines.base import (
     GenOutput,
     GenRequest,
     OnFinished,
+    PollRequests,
     PollWeights,
     SamplingParams,
     WeightUpdate,
@@ -240,12 +241,15 @@ class TorchInferenceEngine:
         poll_weights: PollWeights | None = None,
         on_finished: OnFinished | None = None,
         should_abort: Callable[[str], bool] | None = None,
+        poll_requests: PollRequests | None = None,
     ) -> list[GenOutput]:
         with self._lock:
-            return self._generate(requests, params, poll_weights, on_finished, should_abort)
+            return self._generate(
+                requests, params, poll_weights, on_finished, should_abort, poll_requests
+            )
 
     def _generate(
-        self, requests, params, poll_weights, on_finished, should_abort
+        self, requests, params, poll_weights, on_finished, should_abort, poll_requests=None
     ) -> list[GenOutput]:
         results: list[GenOutput | None] = [None] * len(requests)
         stop_ids = set(params.stop_token_ids)
@@ -257,7 +261,8 @@ class TorchInferenceEngine:
                 on_finished(out)
 
         waiting: deque[_Row] = deque()
-        for i, req in enumerate(requests):
+
+        def admit(i: int, req: GenRequest) -> None:
             row = self._new_row(i, req)
             reason = self._finish_reason(row, params, stop_ids)
             if reason is not None:  # a resumed prefix that is already complete
@@ -265,8 +270,17 @@ class TorchInferenceEngine:
             else:
                 waiting.append(row)
 
+        for i, req in enumerate(requests):
+            admit(i, req)
+
         batch = _Batch()
-        while batch.rows or waiting:
+        while True:
+            if poll_requests is not None and len(batch.rows) + len(waiting) < self.max_batch_size:
+                for req in poll_requests():  # continuous batching across calls
+                    results.append(None)
+                    admit(len(results) - 1, req)
+            if not (batch.rows or waiting):
+                break
             # Token boundary: apply a pending weight update, then re-prefill everyone.
             update = poll_weights() if poll_weights is not None else None
             if update is not None:
@@ -340,7 +354,7 @@ class TorchInferenceEngine:
     def _finish_reason(self, row: _Row, params: SamplingParams, stop_ids: set[int]) -> str | None:
         if row.out_ids and row.out_ids[-1] in stop_ids:
             return "stop"
-        if len(row.out_ids) >= params.max_new_tokens:
+        if len(row.out_ids) >= (row.req.max_new_tokens or params.max_new_tokens):
             return "length"
         if self.max_seq_len is not None and len(row.ids) >= self.max_seq_len:
             return "length"

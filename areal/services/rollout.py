@@ -7,7 +7,10 @@ Invariants:
   synchronous;
 - interruptible mode: a new weight version is fetched and verified off the event loop, then handed
   to the generating thread, which switches at the next token boundary (re-prefilling prompt +
-  partial output); non-interruptible mode switches between generate calls only;
+  partial output); non-interruptible mode stops admitting new work once an update is pending,
+  drains the running batch on the old weights, then switches;
+- new tasks join the running batch at token boundaries (continuous batching), so a long sample
+  never holds back the start of the next ones;
 - a task's prompt message is acknowledged only after all its G samples are published.
 """
 
@@ -17,6 +20,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import structlog
@@ -59,7 +63,7 @@ class RolloutService:
         self._lock = threading.Lock()
         self._pending: WeightUpdate | None = None
         self._weights_changed = asyncio.Event()
-        self._queue: list[tuple[_InFlight, GenRequest]] = []
+        self._queue: deque[tuple[_InFlight, GenRequest]] = deque()  # guarded by _lock
         self._queue_changed = asyncio.Event()
         self._inflight: dict[str, _InFlight] = {}
         self._publishes: set[asyncio.Task] = set()
@@ -135,8 +139,11 @@ class RolloutService:
         entry = _InFlight(task, lease, task.group_size, asyncio.get_running_loop().create_future())
         self._inflight[task.task_id] = entry
         prompt = unpack(task.prompt_ids).tolist()
-        for i in range(task.group_size):
-            self._queue.append((entry, GenRequest(key=f"{task.task_id}/{i}", prompt_ids=prompt)))
+        with self._lock:
+            for i in range(task.group_size):
+                self._queue.append(
+                    (entry, GenRequest(key=f"{task.task_id}/{i}", prompt_ids=prompt))
+                )
         self._queue_changed.set()
         try:
             await entry.done
@@ -155,7 +162,9 @@ class RolloutService:
 
     async def _publish_sample(self, out: GenOutput) -> None:
         task_id, idx = out.key.rsplit("/", 1)
-        entry = self._inflight[task_id]
+        entry = self._inflight.get(task_id)
+        if entry is None or entry.done.done():  # its task failed and was handed back
+            return
         task = entry.task
         text = self.tokenizer.decode(
             [t for t in out.output_ids if t not in self.params.stop_token_ids],
@@ -197,31 +206,50 @@ class RolloutService:
         if entry.remaining == 0 and not entry.done.done():
             entry.done.set_result(None)
 
+    def _take_requests(self) -> list[GenRequest]:
+        """Generating thread, at token boundaries: queued requests that may start now.
+
+        A request starts only once weights of its task's admission version are loaded (or, when
+        interruptible, about to be loaded at this boundary); with an update pending and
+        interruptible off, nothing new starts, so the running batch drains and the call ends.
+        """
+        with self._lock:
+            if not self.interruptible and self._pending is not None:
+                return []
+            ready_version = max(self.engine.version, self._pending.version if self._pending else -1)
+            out: list[GenRequest] = []
+            while self._queue and self._queue[0][0].task.admitted_version <= ready_version:
+                out.append(self._queue.popleft()[1])
+            return out
+
     async def _generate_loop(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         while not stop.is_set():
-            if not self._queue:
+            with self._lock:
+                head = self._queue[0][0] if self._queue else None
+            if head is None:
                 self._queue_changed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._queue_changed.wait(), 0.5)
                 continue
-            need = max(e.task.admitted_version for e, _ in self._queue)
-            await self._wait_for_version(need, stop)
+            await self._wait_for_version(head.task.admitted_version, stop)
             await self._apply_pending()
-            batch, self._queue = self._queue, []
-            reqs = [r for _, r in batch]
             self.meter.start()
             try:
                 await asyncio.to_thread(
                     self.engine.generate,
-                    reqs,
+                    [],
                     self.params,
                     self._take_pending if self.interruptible else None,
                     lambda out: self._on_finished(loop, out),
+                    None,
+                    self._take_requests,
                 )
             except Exception as e:  # engine failure: hand the tasks back (nak), keep running
                 log.exception("generate_failed")
-                for entry, _ in batch:
+                with self._lock:
+                    self._queue.clear()
+                for entry in list(self._inflight.values()):
                     if not entry.done.done():
                         entry.done.set_exception(RuntimeError(f"generation failed: {e}"))
             finally:

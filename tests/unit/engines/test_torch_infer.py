@@ -233,3 +233,35 @@ def test_top_p_keeps_the_nucleus_only():
     assert set(toks) == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
     tok, logp = sample_tokens(logits, 1.0, 0.7, g)
     assert abs(float(logp[0]) - float(torch.log(torch.tensor([0.5, 0.3]))[tok[0]])) < 1e-5
+
+
+def test_poll_requests_joins_the_running_batch(model_dir, engine):
+    """Requests handed in at token boundaries (continuous batching across calls) produce the
+    same greedy outputs as a plain call, and are returned after the initial requests."""
+    prompts = random_prompts([3, 7, 1, 5, 9, 2], seed=11)
+    late = reqs(prompts)[3:]
+    calls = []
+
+    def poll():
+        calls.append(1)
+        if len(calls) == 4 and late:  # arrive mid-generation (after 3 token boundaries)
+            out, late[:] = list(late), []
+            return out
+        return []
+
+    outs = TorchInferenceEngine(model_dir, max_batch_size=8).generate(
+        reqs(prompts)[:3], GREEDY, poll_requests=poll
+    )
+    ref = engine.generate(reqs(prompts), GREEDY)
+    assert [o.key for o in outs] == [r.key for r in reqs(prompts)]
+    assert [o.output_ids for o in outs] == [o.output_ids for o in ref]
+
+
+def test_per_request_max_new_tokens(model_dir):
+    prompts = random_prompts([3, 4, 5], seed=12)
+    rs = reqs(prompts)
+    rs[0].max_new_tokens, rs[2].max_new_tokens = 2, 5
+    params = SamplingParams(max_new_tokens=9, temperature=1.0)
+    outs = TorchInferenceEngine(model_dir).generate(rs, params)
+    assert [len(o.output_ids) for o in outs] == [2, 9, 5]
+    assert {o.finish_reason for o in outs} == {"length"}
