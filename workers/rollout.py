@@ -22,13 +22,15 @@ async def build(settings, bus, worker_id):
     torch.set_num_threads(r.torch_threads)
     path = resolve_model_path(settings)
     tok = load_tokenizer(path)
+    seed = (settings.seed * 1_000_003 + zlib.crc32(worker_id.encode())) % (2**31)
+    kind_kw = {"device": settings.model.device} if r.engine == "torch" else {}
     engine = make_inference_engine(
         r.engine,
         model_path=path,
-        device=settings.model.device,
         dtype=settings.model.dtype,
         max_batch_size=r.max_batch_size,
-        seed=(settings.seed * 1_000_003 + zlib.crc32(worker_id.encode())) % (2**31),
+        seed=seed,
+        **kind_kw,
     )
     params = SamplingParams(
         max_new_tokens=r.max_new_tokens,

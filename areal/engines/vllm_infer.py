@@ -23,6 +23,7 @@ from areal.engines.base import (
     GenOutput,
     GenRequest,
     OnFinished,
+    PollRequests,
     PollWeights,
     SamplingParams,
     WeightUpdate,
@@ -63,6 +64,7 @@ class VLLMInferenceEngine:
         self.engine = self.llm.llm_engine
         self.version = version
         self._n_submits = 0
+        self.max_batch_size = max_batch_size
 
     def load_weights(self, update: WeightUpdate) -> None:
         items = [
@@ -84,6 +86,7 @@ class VLLMInferenceEngine:
         poll_weights: PollWeights | None = None,
         on_finished: OnFinished | None = None,
         should_abort: Callable[[str], bool] | None = None,
+        poll_requests: PollRequests | None = None,
     ) -> list[GenOutput]:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
@@ -114,7 +117,7 @@ class VLLMInferenceEngine:
                 n=1,
                 temperature=params.temperature,
                 top_p=params.top_p,
-                max_tokens=params.max_new_tokens - len(st["ids"]),
+                max_tokens=(st["req"].max_new_tokens or params.max_new_tokens) - len(st["ids"]),
                 stop_token_ids=list(params.stop_token_ids),
                 ignore_eos=True,  # only our stop ids end a sample
                 logprobs=0,
@@ -126,7 +129,7 @@ class VLLMInferenceEngine:
             state[rid] = st
             return rid
 
-        for i, req in enumerate(requests):
+        def admit(i: int, req: GenRequest) -> None:
             st = {
                 "idx": i,
                 "req": req,
@@ -136,13 +139,23 @@ class VLLMInferenceEngine:
                 "n_interrupts": 0,
                 "n_reprefill": 0,
             }
-            if st["ids"] and (st["ids"][-1] in stop_ids or len(st["ids"]) >= params.max_new_tokens):
+            limit = req.max_new_tokens or params.max_new_tokens
+            if st["ids"] and (st["ids"][-1] in stop_ids or len(st["ids"]) >= limit):
                 state["pre"] = st
                 finish("pre", "stop" if st["ids"][-1] in stop_ids else "length")
             else:
                 submit(st)
 
-        while state:
+        for i, req in enumerate(requests):
+            admit(i, req)
+
+        while True:
+            if poll_requests is not None and len(state) < self.max_batch_size:
+                for req in poll_requests():  # continuous batching across calls
+                    results.append(None)
+                    admit(len(results) - 1, req)
+            if not state:
+                break
             update = poll_weights() if poll_weights is not None else None
             if update is not None:
                 rows = list(state.items())
