@@ -43,6 +43,17 @@ class NatsSettings(_Part):
     memory_storage: bool = Field(False, description="keep streams in memory (faster, not durable)")
 
 
+class WeightsSettings(_Part):
+    transport: Literal["object_store", "file"] = Field(
+        "object_store",
+        description="object_store: weights travel through JetStream's object store; "
+        "file: written under weights.dir (a filesystem every rollout worker sees)",
+    )
+    dir: str | None = Field(
+        None, description="weights dir for transport=file; None = <out_dir>/weights"
+    )
+
+
 class ModelSettings(_Part):
     path: str | None = Field(
         None, description="local Hugging Face model dir; None = built-in tiny preset (warm-started)"
@@ -142,6 +153,7 @@ class RunSettings(BaseSettings):
     )
     nats: NatsSettings = Field(default_factory=NatsSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
+    weights: WeightsSettings = Field(default_factory=WeightsSettings)
     data: DataSettings = Field(default_factory=DataSettings)
     algo: AlgoSettings = Field(default_factory=AlgoSettings)
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)

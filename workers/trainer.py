@@ -51,6 +51,9 @@ async def build(settings, bus, worker_id):
         adv_batch_norm=a.adv_batch_norm,
         filter_zero_adv_groups=a.filter_zero_adv_groups,
         weights_dtype=settings.model.dtype,
+        weights_dir=(settings.weights.dir or f"{settings.out_dir}/weights")
+        if settings.weights.transport == "file"
+        else None,
     )
     svc = TrainerService(bus, engine, opts, settings.out_dir)
     return svc.run

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -40,6 +41,13 @@ M = TypeVar("M", bound=Message)
 
 class MessageTooLarge(ValueError):
     pass
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 class Lease:
@@ -272,25 +280,34 @@ class Bus:
 
     # ---------------------------------------------------------------- weights
     async def put_weights(
-        self, version: int, data: bytes, dtype: str, step: int
+        self, version: int, data: bytes, dtype: str, step: int, file_dir: str | None = None
     ) -> WeightAnnouncement:
-        """Store weights in the object store, then announce them (in that order)."""
+        """Store weights, then announce them (in that order).
+
+        By default in the run's object store; with `file_dir` (a filesystem every rollout worker
+        sees, e.g. for very large models) as `<file_dir>/v<version>.safetensors`, written
+        atomically. Only the newest `weights_keep` versions are kept either way.
+        """
         name = f"v{version}"
         sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
-        await self._obs.put(name, data)
+        if file_dir is None:
+            await self._obs.put(name, data)
+            uri = f"nats-obj://{self.names.weights_bucket}/{name}"
+        else:
+            path = Path(file_dir).resolve() / f"{name}.safetensors"
+            await asyncio.to_thread(_write_atomic, path, data)
+            uri = f"file://{path}"
         ann = WeightAnnouncement(
-            version=version,
-            uri=f"nats-obj://{self.names.weights_bucket}/{name}",
-            sha256=sha,
-            bytes=len(data),
-            dtype=dtype,
-            step=step,
+            version=version, uri=uri, sha256=sha, bytes=len(data), dtype=dtype, step=step
         )
         await self.publish(S.WEIGHTS, ann)
         old = version - self.opts.weights_keep
         if old >= 0:
             with contextlib.suppress(Exception):
-                await self._obs.delete(f"v{old}")
+                if file_dir is None:
+                    await self._obs.delete(f"v{old}")
+                else:
+                    (Path(file_dir) / f"v{old}.safetensors").unlink(missing_ok=True)
         return ann
 
     async def get_weights(self, ann: WeightAnnouncement) -> bytes:

@@ -53,6 +53,7 @@ class TrainerOptions:
     adv_batch_norm: bool = False
     filter_zero_adv_groups: bool = False
     weights_dtype: str = "float32"
+    weights_dir: str | None = None  # None: object store; else a shared dir (file:// URIs)
 
 
 Group = dict[int, tuple[ScoredSample, Lease]]
@@ -207,7 +208,11 @@ class TrainerService:
         t0 = time.perf_counter()
         data = await asyncio.to_thread(self.engine.export_safetensors)
         await self.bus.put_weights(
-            self.engine.version, data, self.opts.weights_dtype, self.state["step"]
+            self.engine.version,
+            data,
+            self.opts.weights_dtype,
+            self.state["step"],
+            file_dir=self.opts.weights_dir,
         )
         return time.perf_counter() - t0
 

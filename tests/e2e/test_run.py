@@ -81,12 +81,15 @@ def test_synchronous_mode_trains_each_step_on_its_own_version(tmp_path):
         "algo.max_staleness=0",
         "--set",
         "rollout.interruptible=false",
+        "--set",
+        "weights.transport=file",
     )
     assert res.returncode == 0, res.stderr[-3000:]
     check_invariants(out, eta=0, B=16)
     for r in records(out):
         assert r["token_version_min"] == r["token_version_max"] == r["trained_on_version"], r
         assert r["staleness_hist_tokens"] == {"0": r["tokens"]}
+    assert (out / "weights").is_dir()  # weights went through the shared dir (file:// URIs)
 
 
 def test_bad_config_fails_before_anything_starts(tmp_path):

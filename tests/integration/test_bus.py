@@ -214,3 +214,13 @@ async def test_oversized_message_is_refused_with_a_clear_error(nats_url, run_id)
     with pytest.raises(MessageTooLarge, match="max_payload"):
         await bus.publish_raw(bus.names.subject(S.TRAJECTORIES), b"x" * (bus.nc.max_payload + 1))
     await bus.close()
+
+
+async def test_weights_through_a_shared_directory(nats_url, run_id, tmp_path):
+    bus = await make_bus(nats_url, run_id, weights_keep=2)
+    for v in range(1, 5):
+        ann = await bus.put_weights(v, bytes([v]) * 1000, "float32", step=v, file_dir=str(tmp_path))
+    assert ann.uri == f"file://{tmp_path.resolve()}/v4.safetensors"
+    assert await bus.get_weights(ann) == bytes([4]) * 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v3.safetensors", "v4.safetensors"]
+    await bus.close()

@@ -61,8 +61,15 @@ async def run_one_sample(nats_url, run_id, model_dir, interruptible: bool):
     bus = await Bus.connect(nats_url, run_id, "rollout", "rollout-0")
     engine = SlowEngine(str(model_dir), seed=0)
     params = SamplingParams(max_new_tokens=N_TOKENS, temperature=1.0, stop_token_ids=())
-    svc = RolloutService(bus, engine, tok, params, interruptible=interruptible,
-                         max_concurrent_tasks=1, weights_from_bytes=weights_from_safetensors)
+    svc = RolloutService(
+        bus,
+        engine,
+        tok,
+        params,
+        interruptible=interruptible,
+        max_concurrent_tasks=1,
+        weights_from_bytes=weights_from_safetensors,
+    )
     samples: list[Sample] = []
 
     async def on_sample(msg):
@@ -72,9 +79,19 @@ async def run_one_sample(nats_url, run_id, model_dir, interruptible: bool):
     stop = asyncio.Event()
     runner = asyncio.create_task(svc.run(stop))
     prompt = tok.encode("12+34=", add_special_tokens=False)
-    await bus.publish(S.PROMPTS, Task(task_id=f"{run_id}-t0", seq=0, dataset_index=0, prompt="12+34=",
-                                      prompt_ids=pack(prompt, "int32"), answer="46", group_size=1,
-                                      admitted_version=0))
+    await bus.publish(
+        S.PROMPTS,
+        Task(
+            task_id=f"{run_id}-t0",
+            seq=0,
+            dataset_index=0,
+            prompt="12+34=",
+            prompt_ids=pack(prompt, "int32"),
+            answer="46",
+            group_size=1,
+            admitted_version=0,
+        ),
+    )
     while svc.meter._since is None:  # generation started
         await asyncio.sleep(0.005)
     await asyncio.sleep(0.3)  # ~30 tokens in
