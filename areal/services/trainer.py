@@ -8,9 +8,11 @@ Invariants:
 - a scored sample is acknowledged only once a checkpoint covers its effect (trained or dropped);
   until then its lease is heart-beaten, and after a crash it is redelivered and de-duplicated
   against the checkpoint's `done_tasks`;
-- per step the order is: update -> checkpoint -> publish weights -> ack -> KV (version,
-  returned slots); so announced weights always exist in a checkpoint, and the controller never
-  sees a version whose weights are not announced.
+- per step the order is: update -> publish weights -> KV (version, returned slots) -> step record
+  -> checkpoint -> ack; the controller never sees a version whose weights are not announced;
+- a restart resumes from the checkpoint: step records after it are dropped from metrics.jsonl
+  (they are redone), and if newer weights were already announced the version rolls forward
+  past them, so versions stay monotonic.
 """
 
 from __future__ import annotations
@@ -234,9 +236,6 @@ class TrainerService:
         self.state["samples"] += info["samples"]
         self.state["tokens"] += info["tokens"]
         self.state["wall_s"] = time.time() - self.t_start
-        last = self.state["step"] >= self.opts.total_steps
-        if self.state["step"] % self.opts.checkpoint_every == 0 or last:
-            await self._checkpoint()
         publish_s = await self._publish_weights()
         await self.bus.kv_put(TRAINER_KEY, self.state)
         ctrl = await self.bus.kv_get(CONTROLLER_KEY) or {"admitted": 0}
@@ -265,6 +264,9 @@ class TrainerService:
         with open(self.out_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
         await self.bus.metric("step", rec)
+        last = self.state["step"] >= self.opts.total_steps
+        if self.state["step"] % self.opts.checkpoint_every == 0 or last:
+            await self._checkpoint()
         log.info(
             "train_step",
             step=rec["step"],
@@ -284,6 +286,7 @@ class TrainerService:
             self.state.update(saved)
             await asyncio.to_thread(self.engine.load_checkpoint, str(self.ckpt_dir / "engine"))
             self.t_start = time.time() - self.state.get("wall_s", 0.0)
+            self._truncate_metrics(self.state["step"])
             log.info("trainer_resumed", step=self.state["step"], policy_version=self.engine.version)
         latest = await self.bus.latest_weights()
         if latest is None or latest.version < self.engine.version:
@@ -298,6 +301,15 @@ class TrainerService:
             await self._publish_weights()
         self.state["version"] = self.engine.version
         await self.bus.kv_put(TRAINER_KEY, self.state)
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Keep only step records the checkpoint covers; later steps will be redone."""
+        path = self.out_dir / "metrics.jsonl"
+        if path.exists():
+            lines = path.read_text().splitlines()
+            kept = [ln for ln in lines if ln.strip() and json.loads(ln)["step"] <= step]
+            if len(kept) != len(lines):
+                path.write_text("".join(ln + "\n" for ln in kept))
 
     async def write_summary(self) -> dict:
         ctrl = await self.bus.kv_get(CONTROLLER_KEY) or {"admitted": 0}

@@ -214,8 +214,42 @@ def test_killed_workers_are_restarted_and_nothing_is_lost(tmp_path):
     assert summary["in_flight"] == 0
     recs = records(out)
     steps = [r["step"] for r in recs]
-    assert steps == sorted(set(steps)) and steps[-1] == 30  # resumed, never repeated a step
+    assert steps == list(range(1, 31))  # resumed from the checkpoint: no step lost or repeated
     for r in recs:
         assert r["staleness_max"] <= 4
         assert r["outstanding"] <= (r["version"] + 4 + 1) * 16
     assert (out / "logs" / "trainer-0.log").read_text().count("trainer_resumed") == 1
+
+
+@pytest.mark.slow  # two launcher runs: ~1 minute
+def test_resume_after_ctrl_c_finishes_the_run(tmp_path):
+    """Ctrl-C mid-run, then `--resume`: the trainer continues from its checkpoint, the queued
+    work in the embedded server's store (inside --out) is still there, and the accounting of
+    the whole run is exact."""
+    out = tmp_path / "resume"
+    args = [
+        sys.executable,
+        "-m",
+        "areal.cli",
+        "run",
+        str(EXAMPLE),
+        "--out",
+        str(out),
+        "--quiet",
+        "--set",
+        "train.total_steps=20",
+    ]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not ((out / "metrics.jsonl").exists() and len(records(out)) >= 6):
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert not (out / "summary.json").exists()
+    res = subprocess.run([*args, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = check_invariants(out, eta=4, B=16)
+    assert summary["steps"] == 20
+    assert "trainer_resumed" in (out / "logs" / "trainer-0.log").read_text()
