@@ -36,6 +36,24 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def start_run(out: Path, *sets: str) -> subprocess.Popen:
+    """`areal run` of the example in the background, with `--set` overrides."""
+    args = [sys.executable, "-m", "areal.cli", "run", str(EXAMPLE), "--out", str(out), "--quiet"]
+    for kv in sets:
+        args += ["--set", kv]
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_steps(proc: subprocess.Popen, out: Path, n: int, timeout_s: float = 300) -> None:
+    """Wait until the run has written `n` step records (failing fast if it died)."""
+    deadline = time.monotonic() + timeout_s
+    path = out / "metrics.jsonl"
+    while not (path.exists() and len(path.read_text().splitlines()) >= n):
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, f"no {n} steps after {timeout_s}s"
+        time.sleep(0.1)
+
+
 def check_invariants(out: Path, eta: int, B: int) -> dict:
     recs = records(out)
     summary = json.loads((out / "summary.json").read_text())
@@ -114,27 +132,8 @@ def _children_of(pid: int) -> list[int]:
 
 def test_ctrl_c_stops_every_process(tmp_path):
     out = tmp_path / "cc"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "areal.cli",
-            "run",
-            str(EXAMPLE),
-            "--out",
-            str(out),
-            "--quiet",
-            "--set",
-            "train.total_steps=1000",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 300
-    while not (out / "metrics.jsonl").exists() and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.2)
+    proc = start_run(out, "train.total_steps=1000")
+    wait_steps(proc, out, 1)
     children = _children_of(proc.pid)
     assert len(children) >= 5  # nats-server, controller, trainer, reward, rollout
     proc.send_signal(signal.SIGINT)
@@ -167,37 +166,10 @@ def test_killed_workers_are_restarted_and_nothing_is_lost(tmp_path):
     them, the bus redelivers their unfinished work, the trainer resumes from its checkpoint, and
     the run finishes with every admitted task accounted for exactly once."""
     out = tmp_path / "crash"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "areal.cli",
-            "run",
-            str(EXAMPLE),
-            "--out",
-            str(out),
-            "--quiet",
-            "--set",
-            "train.total_steps=30",
-            "--set",
-            "nats.ack_wait_s=4",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    proc = start_run(out, "train.total_steps=30", "nats.ack_wait_s=4")
     try:
-
-        def steps_done() -> int:
-            p = out / "metrics.jsonl"
-            return len(p.read_text().splitlines()) if p.exists() else 0
-
         for wid, after_step in (("controller-0", 3), ("rollout-0", 8), ("trainer-0", 14)):
-            deadline = time.monotonic() + 300
-            while steps_done() < after_step:
-                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+            wait_steps(proc, out, after_step)
             pid = _worker_pid(proc.pid, wid)
             assert pid is not None, wid
             os.kill(pid, signal.SIGKILL)
@@ -227,10 +199,12 @@ def test_resume_after_ctrl_c_finishes_the_run(tmp_path):
     work in the embedded server's store (inside --out) is still there, and the accounting of
     the whole run is exact."""
     out = tmp_path / "resume"
-    args = [
-        sys.executable,
-        "-m",
-        "areal.cli",
+    proc = start_run(out, "train.total_steps=20")
+    wait_steps(proc, out, 6)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert not (out / "summary.json").exists()
+    res = areal(
         "run",
         str(EXAMPLE),
         "--out",
@@ -238,17 +212,8 @@ def test_resume_after_ctrl_c_finishes_the_run(tmp_path):
         "--quiet",
         "--set",
         "train.total_steps=20",
-    ]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
-    while not ((out / "metrics.jsonl").exists() and len(records(out)) >= 6):
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=60)
-    assert not (out / "summary.json").exists()
-    res = subprocess.run([*args, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        "--resume",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     summary = check_invariants(out, eta=4, B=16)
     assert summary["steps"] == 20
