@@ -378,8 +378,13 @@ def find_worker_pid(worker_id: str, cfg_path: Path) -> int | None:
     return None
 
 
-def profile_run(steps: int, rate: int, keep_dir: Path | None) -> dict:
-    """One `areal run` with py-spy on the rollout and trainer workers."""
+def profile_run(steps: int, rate: int, keep_dir: Path | None, mode: str = "gil") -> dict:
+    """One `areal run` with py-spy on the rollout and trainer workers.
+
+    mode "gil": sample only threads holding the GIL, so a stack is counted only while that
+    code really runs (the wall is the profiled duration x rate); mode "idle": sample every
+    thread always, so time a thread spends *waiting for the GIL* inside bus code (held by the
+    generating / training thread) is counted as bus time too (an upper bound)."""
     tmp = Path(tempfile.mkdtemp(prefix="areal-bench-bus-"))
     out = tmp / "run"
     prof_dir = tmp / "profiles"
@@ -398,6 +403,8 @@ def profile_run(steps: int, rate: int, keep_dir: Path | None) -> dict:
     ]
     markers = {"rollout-0": "rollout_started", "trainer-0": "trainer_started"}
     spies: dict[str, subprocess.Popen] = {}
+    spy_t0: dict[str, float] = {}
+    spy_dur: dict[str, float] = {}
     t0 = time.monotonic()
     with open(tmp / "launcher.log", "wb") as logf:
         launcher = subprocess.Popen(
@@ -421,7 +428,7 @@ def profile_run(steps: int, rate: int, keep_dir: Path | None) -> dict:
                         "record",
                         "--pid",
                         str(pid),
-                        "--idle",
+                        "--gil" if mode == "gil" else "--idle",
                         "--threads",
                         "--full-filenames",
                         "--rate",
@@ -434,8 +441,22 @@ def profile_run(steps: int, rate: int, keep_dir: Path | None) -> dict:
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )
+                spy_t0[wid] = time.monotonic()
             time.sleep(0.05)
-        rc = launcher.wait(timeout=600)
+        deadline = time.monotonic() + 600
+        while launcher.poll() is None or any(
+            w not in spy_dur and p.poll() is None for w, p in spies.items()
+        ):
+            for w, p in spies.items():  # a spy exits with its worker: that ends the profile
+                if w not in spy_dur and p.poll() is not None:
+                    spy_dur[w] = time.monotonic() - spy_t0[w]
+            if time.monotonic() > deadline:
+                launcher.kill()
+                break
+            time.sleep(0.02)
+        for w in spies:
+            spy_dur.setdefault(w, time.monotonic() - spy_t0[w])
+        rc = launcher.wait(timeout=60)
     for p in spies.values():
         try:
             p.wait(timeout=30)
@@ -456,7 +477,12 @@ def profile_run(steps: int, rate: int, keep_dir: Path | None) -> dict:
     for wid in markers:
         f = prof_dir / f"{wid}.txt"
         if f.exists():
-            res["profiles"][wid] = parse_pyspy_raw(f)
+            prof = parse_pyspy_raw(f)
+            if mode == "gil":  # every sample is GIL-held work; the wall is duration x rate
+                prof["nonidle"] = sum(prof["cats"].values())
+                prof["empty"] = 0
+                prof["ticks"] = prof["wall"] = max(1, int(spy_dur.get(wid, 0) * rate))
+            res["profiles"][wid] = prof
     if keep_dir is not None:
         shutil.copytree(prof_dir, keep_dir, dirs_exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -522,6 +548,13 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=None, help="profiled `areal run`s")
     ap.add_argument("--steps", type=int, default=30, help="train.total_steps of profiled runs")
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    ap.add_argument(
+        "--profile-mode",
+        choices=("gil", "idle"),
+        default="gil",
+        help="gil: count code only while it holds the GIL (default); idle: count every thread "
+        "always, including waits for the GIL inside bus code (an upper bound)",
+    )
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled runs")
     ap.add_argument("--keep-profiles", type=Path, default=None, help="copy raw py-spy output here")
     ap.add_argument("--_consumer", nargs=2, help=argparse.SUPPRESS)
@@ -607,7 +640,7 @@ def main() -> int:
         results = []
         for i in range(runs):
             keep = args.keep_profiles / f"run{i}" if args.keep_profiles else None
-            res = profile_run(args.steps, args.rate, keep)
+            res = profile_run(args.steps, args.rate, keep, args.profile_mode)
             results.append(res)
             mean_rate, _ = pipeline_rate(res["metrics"])
             print(
@@ -705,7 +738,9 @@ def main() -> int:
             f"\n## Share of a real run's wall time in bus + codec code\n\n"
             f"`areal run examples/arithmetic.yaml --out <tmp> --quiet --set "
             f"train.total_steps={args.steps}`, {runs} run(s), py-spy {args.rate} Hz "
-            f"(`--idle --threads`, blocking: consistent stacks) attached to each worker from its "
+            f"(`--{args.profile_mode} --threads`; gil: a stack counts only while it holds the GIL, "
+            f"so waits for the GIL held by the generate/train thread are not billed to the bus; "
+            f"idle: every thread always, an upper bound) attached to each worker from its "
             f"`*_started` log line to its exit; median over runs. codec = stacks in "
             f"`areal/bus/codec.py`, msgpack, `schemas/`, pydantic (incl. building `Sample`s); bus "
             f"msg = other `areal/bus/` + `nats/` stacks (publish, fetch, ack, heartbeats, KV); "

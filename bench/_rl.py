@@ -1,0 +1,398 @@
+"""Drive whole `areal run` jobs for the RL benchmarks (staleness ablation, async vs sync).
+
+One private nats-server (`EmbeddedNats`) serves every run of a benchmark; each run gets its own
+`run_id` (its own streams), so after a run ends its `metrics` stream still holds the workers'
+heartbeats, which `read_heartbeats` replays (rollout `busy_frac`, generated tokens).
+
+CPU pinning: the launcher has no affinity option, so `run_areal` walks the `areal run` process
+tree while it runs and pins every thread of each worker (found by `--worker-id` in its cmdline)
+with `os.sched_setaffinity`. It re-walks every 0.25 s so threads started later are pinned too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from _common import REPO_ROOT
+
+# worker id (`rollout-0`, `trainer-0`, `controller-0`, `reward-0`) -> CPU set, or None = leave
+Pinning = Callable[[str], set[int] | None]
+
+
+def pin_roles(rollout: set[int], trainer: set[int], others: set[int] | None = None) -> Pinning:
+    """rollout-* on `rollout`, trainer-0 on `trainer`; controller, reward-* and the launcher
+    itself (worker id `launcher`) on `others` (None: unpinned)."""
+
+    def assign(wid: str) -> set[int] | None:
+        if wid.startswith("rollout-"):
+            return rollout
+        if wid.startswith("trainer-"):
+            return trainer
+        return others
+
+    return assign
+
+
+def pin_pid(pid: int, cores: set[int]) -> None:
+    """Every thread of one process (e.g. the nats-server) onto `cores`."""
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), cores)
+
+
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        kids.setdefault(ppid, []).append(int(d))
+    return kids
+
+
+def _descendants(root: int) -> list[int]:
+    kids, out, todo = _children_map(), [], [root]
+    while todo:
+        pid = todo.pop()
+        for c in kids.get(pid, []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _worker_id(pid: int) -> str | None:
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    if b"--worker-id" in args:
+        i = args.index(b"--worker-id")
+        if i + 1 < len(args):
+            return args[i + 1].decode()
+    return None
+
+
+class _Pinner(threading.Thread):
+    def __init__(self, root: int, assign: Pinning) -> None:
+        super().__init__(daemon=True)
+        self.root, self.assign = root, assign
+        self.pinned: dict[str, list[int]] = {}  # worker id -> cores (what was applied)
+        self.stop_evt = threading.Event()
+
+    def pin_once(self) -> None:
+        for pid in [self.root, *_descendants(self.root)]:
+            wid = "launcher" if pid == self.root else _worker_id(pid)
+            cores = self.assign(wid) if wid else None
+            if not cores:
+                continue
+            with contextlib.suppress(OSError):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(OSError):
+                        if os.sched_getaffinity(int(tid)) != cores:
+                            os.sched_setaffinity(int(tid), cores)
+                self.pinned[wid] = sorted(cores)
+
+    def run(self) -> None:
+        while not self.stop_evt.wait(0.25):
+            self.pin_once()
+
+
+@dataclass
+class RunResult:
+    name: str
+    out_dir: Path
+    cmd: list[str]
+    rc: int
+    process_wall_s: float
+    records: list[dict] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+    heartbeats: dict[str, dict] = field(default_factory=dict)  # worker id -> last values
+    pinned: dict[str, list[int]] = field(default_factory=dict)
+    load_before: float = 0.0
+    load_after: float = 0.0
+    eval_reward: float | None = None  # final policy on held-out tasks (`eval_final`)
+    code: str = ""  # `code_state()` when the run started (others commit while benches run)
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0 and bool(self.records)
+
+    @property
+    def wall_s(self) -> float:
+        """Trainer wall time from its start to the last step (excludes process start-up)."""
+        return float(self.records[-1]["wall_s"]) if self.records else float("nan")
+
+    @property
+    def samples(self) -> int:
+        return sum(int(r["samples"]) for r in self.records)
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(r["tokens"]) for r in self.records)
+
+    def rewards(self) -> list[float]:
+        return [float(r["reward_mean"]) for r in self.records]
+
+    def mean_of(self, key: str, default: float = 0.0) -> float:
+        xs = [float(r[key]) for r in self.records if key in r]
+        return sum(xs) / len(xs) if xs else default
+
+    def last(self, key: str, default: float = float("nan")) -> float:
+        return float(self.records[-1].get(key, default)) if self.records else default
+
+    def rollout_busy_frac(self) -> float:
+        fr = [hb["busy_frac"] for w, hb in self.heartbeats.items() if w.startswith("rollout-")]
+        return sum(fr) / len(fr) if fr else float("nan")
+
+    def rollout_tokens(self) -> int:
+        return sum(
+            int(hb.get("tokens", 0))
+            for w, hb in self.heartbeats.items()
+            if w.startswith("rollout-")
+        )
+
+
+def areal_cmd(
+    config: str | Path, out_dir: Path, nats_url: str, run_id: str, overrides: list[str]
+) -> list[str]:
+    cmd = [sys.executable, "-m", "areal.cli", "run", str(config), "--out", str(out_dir)]
+    cmd += ["--quiet", "--nats-url", nats_url, "--set", f"run_id={run_id}"]
+    for o in overrides:
+        cmd += ["--set", o]
+    return cmd
+
+
+def show_cmd(cmd: list[str]) -> str:
+    """The command as a user would type it (`areal run ...`, URL and paths kept)."""
+    shown = ["areal", *cmd[3:]] if cmd[1:3] == ["-m", "areal.cli"] else cmd
+    return " ".join(shlex.quote(c) for c in shown)
+
+
+def run_areal(
+    name: str,
+    config: str | Path,
+    out_dir: Path,
+    nats_url: str,
+    run_id: str,
+    overrides: list[str],
+    pinning: Pinning | None = None,
+    timeout_s: float = 1800.0,
+) -> RunResult:
+    cmd = areal_cmd(config, out_dir, nats_url, run_id, overrides)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    code = code_state()
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    with open(out_dir / "launcher.log", "wb") as logf:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        pinner = _Pinner(proc.pid, pinning) if pinning else None
+        if pinner:
+            pinner.start()
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # the launcher signals its own workers
+            try:
+                rc = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+        finally:
+            if pinner:
+                pinner.stop_evt.set()
+                pinner.join()
+    res = RunResult(name, out_dir, cmd, rc, time.perf_counter() - t0)
+    res.load_before, res.load_after = load_before, os.getloadavg()[0]
+    res.code = code
+    res.pinned = dict(pinner.pinned) if pinner else {}
+    metrics = out_dir / "metrics.jsonl"
+    if metrics.exists():
+        res.records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    with contextlib.suppress(OSError, ValueError):
+        res.summary = json.loads((out_dir / "summary.json").read_text())
+    res.heartbeats = read_heartbeats(nats_url, run_id)
+    if rc != 0:
+        tail = (out_dir / "launcher.log").read_text(errors="replace")[-1500:]
+        print(f"  !! {name}: areal run exited {rc}; launcher log tail:\n{tail}", file=sys.stderr)
+    return res
+
+
+def read_heartbeats(nats_url: str, run_id: str, idle_s: float = 1.5) -> dict[str, dict]:
+    """The last heartbeat of every worker of a (finished) run, replayed from `metrics`."""
+    return asyncio.run(_read_heartbeats(nats_url, run_id, idle_s))
+
+
+async def _read_heartbeats(nats_url: str, run_id: str, idle_s: float) -> dict[str, dict]:
+    from areal.bus.codec import decode
+    from areal.bus.tap import TapClient
+    from schemas import MetricRecord
+
+    last: dict[str, dict] = {}
+    seen = time.monotonic()
+
+    async def on_msg(tm) -> None:
+        nonlocal seen
+        seen = time.monotonic()
+        with contextlib.suppress(Exception):
+            rec = decode(tm.data, MetricRecord)
+            last[rec.worker_id] = {**rec.values, "_time": rec.time}
+
+    _quiet_structlog()
+    try:
+        client = await TapClient.connect(nats_url, run_id, name="bench")
+    except Exception as e:  # a bench should still print its table without heartbeats
+        print(f"  (heartbeats unavailable: {e})", file=sys.stderr)
+        return {}
+    try:
+        for role in ("rollout", "trainer"):
+            await client.follow(f"metrics.{role}.heartbeat", on_msg, history=-1)
+        while time.monotonic() - seen < idle_s:
+            await asyncio.sleep(0.1)
+    finally:
+        await client.close()
+    return last
+
+
+@contextlib.contextmanager
+def runs_dir(keep: Path | None, prefix: str):
+    """Where the runs' dirs (checkpoints, logs, nats store) go: `keep`, or a temp dir."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield str(keep)
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield tmp
+
+
+def eval_final(
+    res: RunResult, config: str | Path, overrides: list[str], n: int = 512
+) -> float | None:
+    """Mean reward of the run's final policy (`<out>/final`) on `n` fixed held-out tasks,
+    sampled at the run's temperature: the same items for every mode, unlike the per-step
+    reward whose task mix depends on which groups finished first."""
+    final = res.out_dir / "final"
+    return eval_model(final, config, overrides, n) if final.is_dir() else None
+
+
+def eval_model(
+    model_dir: str | Path, config: str | Path, overrides: list[str], n: int = 512
+) -> float:
+    """`eval_final` for any model dir (e.g. the warm start, i.e. step 0)."""
+    import torch
+
+    from areal.config import load_settings
+    from areal.data.evaluate import evaluate_accuracy
+    from areal.data.tasks import make_task_source
+
+    s = load_settings(config, overrides)
+    source = make_task_source(s.data.source, seed=s.seed, **s.data.task_kwargs)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # like the workers: one intra-op thread on a shared box
+    try:
+        return evaluate_accuracy(
+            model_dir, source, n, s.rollout.temperature, seed=s.seed, max_new_tokens=None
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def code_state() -> str:
+    """HEAD and the files that differ from it (others edit the tree while benches run)."""
+    with contextlib.suppress(Exception):
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--short", "--untracked-files=no", "areal", "workers", "schemas"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.split("\n")
+        changed = [x.split()[-1] for x in dirty if x.strip()]
+        return f"git {head}" + (f", modified: {', '.join(changed)}" if changed else ", clean")
+    return "unknown"
+
+
+def code_note(results: list[RunResult]) -> str:
+    """One line: the code every run started from, or which run saw which state."""
+    states = {r.code for r in results}
+    if len(states) <= 1:
+        return f"- code for every run: {states.pop() if states else '?'}"
+    return "- code changed during the bench: " + "; ".join(f"{r.name}: {r.code}" for r in results)
+
+
+def _quiet_structlog() -> None:
+    """The bench's own tap connection logs a warning when it closes; keep the output clean."""
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+
+
+def rolling(xs: list[float], k: int) -> list[float]:
+    out, s = [], 0.0
+    for i, x in enumerate(xs):
+        s += x - (xs[i - k] if i >= k else 0.0)
+        out.append(s / min(i + 1, k))
+    return out
+
+
+def time_to_target(res: RunResult, target: float, k: int = 10) -> float | None:
+    """Trainer wall time at the first step whose rolling (k steps) mean reward >= target."""
+    for r, m in zip(res.records, rolling(res.rewards(), k), strict=True):
+        if m >= target and r["step"] >= k:
+            return float(r["wall_s"])
+    return None
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def prewarm(config: str | Path, overrides: list[str]) -> str:
+    """Build (or find cached) the warm-start model so no timed run pays for it."""
+    from areal.config import load_settings
+    from areal.launch.worker import resolve_model_path
+
+    return resolve_model_path(load_settings(config, overrides))
+
+
+def cpu_load() -> str:
+    a, b, c = os.getloadavg()
+    return f"{a:.2f} / {b:.2f} / {c:.2f}"
+
+
+def top_other_processes(n: int = 3) -> str:
+    """Busiest processes right now (other jobs on a shared box), for the report."""
+    with contextlib.suppress(Exception):
+        out = subprocess.run(
+            ["ps", "-eo", "pcpu,comm", "--sort=-pcpu", "--no-headers"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.splitlines()[:n]
+        return "; ".join(" ".join(x.split()) for x in out)
+    return "?"
