@@ -105,6 +105,12 @@ class RolloutSettings(_Part):
     interruptible: bool = Field(
         True, description="switch weights mid-sample (re-prefill); false = finish on old weights"
     )
+    interrupt_min_interval_s: float = Field(
+        0.0,
+        ge=0,
+        description="min seconds between mid-batch weight switches (each re-prefills "
+        "the batch); 0 = switch at every new version",
+    )
     max_concurrent_tasks: int = Field(4, ge=1, description="tasks one rollout worker holds at once")
     max_batch_size: int = Field(
         64, ge=1, description="sequences decoded together (continuous batch)"

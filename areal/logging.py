@@ -11,7 +11,9 @@ import structlog
 _configured = False
 
 
-def setup_logging(json_logs: bool | None = None, level: str | None = None, **context: object) -> None:
+def setup_logging(
+    json_logs: bool | None = None, level: str | None = None, **context: object
+) -> None:
     global _configured
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -44,6 +44,7 @@ async def build(settings, bus, worker_id):
         tok,
         params,
         interruptible=r.interruptible,
+        interrupt_min_interval_s=r.interrupt_min_interval_s,
         max_concurrent_tasks=r.max_concurrent_tasks,
         weights_from_bytes=weights_from_safetensors,
     )

@@ -132,8 +132,10 @@ def train_sft(model_dir: Path, source: TaskSource, recipe: SftRecipe, seed: int)
         labels = batch.pop("labels")[:, 1:]  # [B, S-1]: logits at p predict token p+1
         logits = model(**batch).logits[:, :-1]  # [B, S-1, V]
         loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-            ignore_index=-100, label_smoothing=recipe.label_smoothing,
+            logits.reshape(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=-100,
+            label_smoothing=recipe.label_smoothing,
         )
         opt.zero_grad(set_to_none=True)
         loss.backward()

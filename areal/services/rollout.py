@@ -55,9 +55,12 @@ class RolloutService:
         interruptible: bool,
         max_concurrent_tasks: int,
         weights_from_bytes,
+        interrupt_min_interval_s: float = 0.0,
     ) -> None:
         self.bus, self.engine, self.tokenizer, self.params = bus, engine, tokenizer, params
         self.interruptible = interruptible
+        self.interrupt_min_interval_s = interrupt_min_interval_s
+        self._last_switch = -float("inf")  # monotonic time of the last mid-batch switch
         self.max_concurrent_tasks = max_concurrent_tasks
         self.weights_from_bytes = weights_from_bytes
         self._lock = threading.Lock()
@@ -107,9 +110,22 @@ class RolloutService:
         self._weights_changed.set()
 
     def _take_pending(self) -> WeightUpdate | None:
-        """Called by the generating thread at token boundaries (interruptible mode)."""
         with self._lock:
             update, self._pending = self._pending, None
+        return update
+
+    def _may_interrupt(self) -> bool:
+        """Mid-batch switches are rate-limited by `interrupt_min_interval_s`: each one re-prefills
+        every running row, which costs more than it saves when versions come very often."""
+        return time.monotonic() - self._last_switch >= self.interrupt_min_interval_s
+
+    def _interrupt(self) -> WeightUpdate | None:
+        """Called by the generating thread at token boundaries (interruptible mode)."""
+        if self._pending is None or not self._may_interrupt():
+            return None
+        update = self._take_pending()
+        if update is not None:
+            self._last_switch = time.monotonic()
         return update
 
     async def _apply_pending(self) -> None:
@@ -216,7 +232,8 @@ class RolloutService:
         with self._lock:
             if not self.interruptible and self._pending is not None:
                 return []
-            ready_version = max(self.engine.version, self._pending.version if self._pending else -1)
+            switching = self._pending is not None and self._may_interrupt()
+            ready_version = max(self.engine.version, self._pending.version if switching else -1)
             out: list[GenRequest] = []
             while self._queue and self._queue[0][0].task.admitted_version <= ready_version:
                 out.append(self._queue.popleft()[1])
@@ -240,7 +257,7 @@ class RolloutService:
                     self.engine.generate,
                     [],
                     self.params,
-                    self._take_pending if self.interruptible else None,
+                    self._interrupt if self.interruptible else None,
                     lambda out: self._on_finished(loop, out),
                     None,
                     self._take_requests,
