@@ -24,7 +24,11 @@ from areal.data.tasks import TaskItem
 class _Records:
     """Validated records of one file plus the epoch-permutation logic (shared by both loaders)."""
 
-    def __init__(self, items: list[tuple[str, str, dict[str, Any]]], shuffle: bool, seed: int):
+    def __init__(
+        self, path: Path, items: list[tuple[str, str, dict[str, Any]]], shuffle: bool, seed: int
+    ):
+        if not items:
+            raise ValueError(f"dataset file {path} has no records")
         self.items, self.shuffle, self.seed = items, shuffle, seed
         self._perm_epoch: int | None = None
         self._perm: list[int] = []
@@ -89,9 +93,7 @@ class JsonlTaskSource:
                     raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
                 extra = {"source": str(self.path), "line": line_no}
                 items.append(_item(record, prompt_field, answer_field, where, extra))
-        if not items:
-            raise ValueError(f"dataset file {self.path} has no records")
-        self._records = _Records(items, shuffle, seed)
+        self._records = _Records(self.path, items, shuffle, seed)
 
     def __len__(self) -> int:
         return len(self._records.items)
@@ -133,9 +135,7 @@ class ParquetTaskSource:
             where = f"{self.path}: row {row}"
             extra = {"source": str(self.path), "row": row}
             items.append(_item(record, prompt_field, answer_field, where, extra))
-        if not items:
-            raise ValueError(f"dataset file {self.path} has no records")
-        self._records = _Records(items, shuffle, seed)
+        self._records = _Records(self.path, items, shuffle, seed)
 
     def __len__(self) -> int:
         return len(self._records.items)
