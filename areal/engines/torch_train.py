@@ -203,18 +203,37 @@ class TorchTrainEngine:
 
     def save_checkpoint(self, path: str) -> None:
         """One file: model, optimizer, version, RNG; written to a temp file and renamed."""
-        state = {
+        self.write_checkpoint(self.snapshot_checkpoint(), path)
+
+    def snapshot_checkpoint(self) -> dict:
+        """A detached copy of everything `save_checkpoint` writes (cheap next to writing it), so
+        the file can be written while the next step already updates the live tensors."""
+
+        def detach(x):
+            if isinstance(x, torch.Tensor):
+                return x.detach().clone()
+            if isinstance(x, dict):
+                return {k: detach(v) for k, v in x.items()}
+            if isinstance(x, list | tuple):
+                return type(x)(detach(v) for v in x)
+            return x
+
+        return {
             "format": _CHECKPOINT_FORMAT,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": detach(self.model.state_dict()),
+            "optimizer": detach(self.optimizer.state_dict()),
             "version": self.version,
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         }
+
+    @staticmethod
+    def write_checkpoint(snapshot: dict, path: str) -> None:
+        """Write a `snapshot_checkpoint()` to `path` atomically (temp file, then rename)."""
         dst = Path(path)
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
-        torch.save(state, tmp)
+        torch.save(snapshot, tmp)
         os.replace(tmp, dst)
 
     def load_checkpoint(self, path: str) -> None:

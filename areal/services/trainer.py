@@ -10,6 +10,9 @@ Invariants:
   against the checkpoint's `done_tasks`;
 - per step the order is: update -> publish weights -> KV (version, returned slots) -> step record
   -> checkpoint -> ack; the controller never sees a version whose weights are not announced;
+- with an engine that can snapshot its state (`snapshot_checkpoint` / `write_checkpoint`), the
+  checkpoint file is written and its leases acked in the background, one checkpoint at a time in
+  step order, while the next step trains: the acks still follow the durable write;
 - a restart resumes from the checkpoint: step records after it are dropped from metrics.jsonl
   (they are redone), and if newer weights were already announced the version rolls forward
   past them, so versions stay monotonic.
@@ -77,6 +80,8 @@ class TrainerService:
         self.groups: dict[str, Group] = {}
         self.done_tasks: set[str] = set()
         self.unacked: list[Lease] = []
+        self._ckpt_task: asyncio.Task | None = None
+        self.checkpoint_s = 0.0  # duration of the last checkpoint write (+ acks)
         self.state = trainer_state_default() | {"samples": 0, "tokens": 0, "wall_s": 0.0}
         self._data = asyncio.Event()
         self.meter = BusyMeter()
@@ -196,15 +201,44 @@ class TrainerService:
         }
         return seqs, info
 
-    async def _checkpoint(self) -> None:
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(self.engine.save_checkpoint, str(self.ckpt_dir / "engine"))
+    async def _checkpoint(self, *, background: bool = False) -> None:
+        """Checkpoint the engine and trainer state, then ack the leases it covers. In the
+        background variant only the snapshot is taken now; writing and acking run in a task
+        chained after the previous checkpoint's (`flush_checkpoints` waits for them)."""
         state = {**self.state, "done_tasks": sorted(self.done_tasks)}
-        await asyncio.to_thread(_write_json_atomic, self.ckpt_dir / "trainer_state.json", state)
         leases, self.unacked = self.unacked, []
+        snapshot_fn = getattr(self.engine, "snapshot_checkpoint", None)
+        if snapshot_fn is None or not background:
+            await self._write_checkpoint(self._ckpt_task, state, leases, None)
+            self._ckpt_task = None
+            return
+        snap = await asyncio.to_thread(snapshot_fn)
+        self._ckpt_task = asyncio.create_task(
+            self._write_checkpoint(self._ckpt_task, state, leases, snap)
+        )
+
+    async def _write_checkpoint(
+        self, prev: asyncio.Task | None, state: dict, leases: list[Lease], snap: dict | None
+    ) -> None:
+        if prev is not None:
+            await prev  # checkpoints land (and ack) in step order
+        t0 = time.perf_counter()
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        engine_path = str(self.ckpt_dir / "engine")
+        if snap is None:
+            await asyncio.to_thread(self.engine.save_checkpoint, engine_path)
+        else:
+            await asyncio.to_thread(self.engine.write_checkpoint, snap, engine_path)
+        await asyncio.to_thread(_write_json_atomic, self.ckpt_dir / "trainer_state.json", state)
         for lease in leases:
             with contextlib.suppress(Exception):
                 await lease.ack()
+        self.checkpoint_s = time.perf_counter() - t0
+
+    async def flush_checkpoints(self) -> None:
+        """Wait for background checkpoints (and their acks) to land."""
+        if self._ckpt_task is not None:
+            await self._ckpt_task
 
     async def _publish_weights(self) -> float:
         t0 = time.perf_counter()
@@ -253,6 +287,7 @@ class TrainerService:
             "train_s": round(train_s, 4),
             "wait_s": round(wait_s, 4),
             "weights_publish_s": round(publish_s, 4),
+            "checkpoint_s": round(self.checkpoint_s, 4),
             "trainer_idle_frac": round(1 - self.meter.busy_frac(), 4),
             **{
                 ("train_tokens" if k == "tokens" else k): (
@@ -266,7 +301,7 @@ class TrainerService:
         await self.bus.metric("step", rec)
         last = self.state["step"] >= self.opts.total_steps
         if self.state["step"] % self.opts.checkpoint_every == 0 or last:
-            await self._checkpoint()
+            await self._checkpoint(background=not last)
         log.info(
             "train_step",
             step=rec["step"],
@@ -384,5 +419,7 @@ class TrainerService:
         finally:
             stop.set()
             hb.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await self.flush_checkpoints()  # a stop mid-run still lands what was trained
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await consumer

@@ -201,6 +201,27 @@ def test_checkpoint_round_trip_resumes_identically(model_dir, tmp_path):
     assert [p.name for p in Path(ckpt).parent.iterdir()] == ["state.pt"]
 
 
+def test_snapshot_written_after_more_training_is_the_snapshot_time_state(model_dir, tmp_path):
+    """The trainer writes checkpoints in the background while the next step trains: what lands
+    must be the state at snapshot time, not the live tensors."""
+    ckpt = str(tmp_path / "state.pt")
+    a = TorchTrainEngine(model_dir, lr=1e-2)
+    a.train_step(with_behav(a, make_seqs()), 64)
+    snap = a.snapshot_checkpoint()
+    at_snapshot = [p.detach().clone() for p in a.model.parameters()]
+    a.train_step(with_behav(a, make_seqs(seed=2, adv=-0.5)), 64)  # moves params and Adam moments
+    a.write_checkpoint(snap, ckpt)
+
+    b = TorchTrainEngine(model_dir, lr=1e-2)
+    b.load_checkpoint(ckpt)
+    assert b.version == 1 and a.version == 2
+    for pb, p0 in zip(b.model.parameters(), at_snapshot, strict=True):
+        torch.testing.assert_close(pb, p0, atol=0, rtol=0)
+    step_a = a.optimizer.state_dict()["state"][0]["step"]
+    step_b = b.optimizer.state_dict()["state"][0]["step"]
+    assert float(step_b) == float(step_a) - 1  # the Adam moments are the snapshot's too
+
+
 def test_missing_checkpoint_is_a_clear_error(model_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         TorchTrainEngine(model_dir).load_checkpoint(str(tmp_path / "nope.pt"))
