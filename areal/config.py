@@ -125,6 +125,9 @@ class RewardSettings(_Part):
     )
     timeout_s: float = Field(10.0, gt=0, description="per-sample scoring timeout (s)")
     pool_workers: int = Field(1, ge=1, description="scoring processes per reward worker")
+    batch_size: int = Field(
+        32, ge=1, description="samples scored per pool call (those waiting are batched)"
+    )
 
 
 class TrainSettings(_Part):

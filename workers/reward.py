@@ -15,6 +15,7 @@ async def build(settings, bus, worker_id):
         settings.reward_fn_name(),
         timeout_s=settings.reward.timeout_s,
         pool_workers=settings.reward.pool_workers,
+        batch_size=settings.reward.batch_size,
     )
     return svc.run
 
