@@ -58,6 +58,11 @@ class ModelSettings(_Part):
     path: str | None = Field(
         None, description="local Hugging Face model dir; None = built-in tiny preset (warm-started)"
     )
+    preset: Literal["tiny", "small"] = Field(
+        "tiny",
+        description="built-in model size when path is unset: tiny (~0.4M params) or small "
+        "(~3.2M, for benchmarks)",
+    )
     warm_start_steps: int | None = Field(
         None,
         ge=0,

@@ -76,8 +76,9 @@ WORKLOAD = [
     "rollout.temperature=1.0",
 ]
 ROLLOUT_CORE, TRAINER_CORE = {0}, {1}
-# controller, reward, launcher and nats-server share the rollout's core: the trainer's is its own
-OTHERS_CORE = ROLLOUT_CORE
+# controller, reward, launcher and nats-server share one role's core (--others-core): the
+# trainer's by default, since with padding-free training the rollout is the busier role
+OTHERS_CORE = TRAINER_CORE
 
 
 @dataclass
@@ -234,9 +235,17 @@ def main() -> int:
     ap.add_argument("--only", help="comma list of mode names (debugging)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR, help="results dir")
     ap.add_argument("--runs-dir", type=Path, help="keep run dirs here (default: a temp dir)")
+    ap.add_argument(
+        "--others-core",
+        choices=["trainer", "rollout"],
+        default="trainer",
+        help="core of the controller, reward, launcher and nats-server in pinned modes",
+    )
     ap.add_argument("--tag", default="", help="suffix of the output files, e.g. _long")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra override")
     args = ap.parse_args()
+    global OTHERS_CORE
+    OTHERS_CORE = TRAINER_CORE if args.others_core == "trainer" else ROLLOUT_CORE
     steps = args.steps or (30 if args.quick else 150)
     modes = build_modes(args.subset or args.quick)
     if args.only:
@@ -255,9 +264,10 @@ def main() -> int:
             f"B=16, G=8, {steps} steps = {steps * 128} trained samples per run, "
             f"seed {args.seed}, base config {CONFIG.relative_to(REPO_ROOT)}"
             + (f", extra {args.extra}" if args.extra else ""),
-            "cores": "async + sync-pinned: trainer-0 threads -> core 1 alone; rollout-*, "
-            "controller, reward-*, the `areal run` launcher and the nats-server -> core 0 "
-            "(os.sched_setaffinity on every thread, workers found by --worker-id in /proc). "
+            "cores": "async + sync-pinned: rollout-* threads -> core 0, trainer-0 threads -> "
+            f"core 1; controller, reward-*, the `areal run` launcher and the nats-server -> core "
+            f"{min(OTHERS_CORE)} (the {args.others_core}'s; os.sched_setaffinity on every "
+            "thread, workers found by --worker-id in /proc). "
             "sync-colocated: no pinning, torch 2 threads per role; sync-default: no pinning, "
             "1 thread per role",
             "busiest processes at start": top_other_processes(),

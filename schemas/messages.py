@@ -44,6 +44,9 @@ class Message(BaseModel):
         """Id used as `Nats-Msg-Id` (JetStream de-duplication)."""
         raise NotImplementedError
 
+    def check_lengths(self) -> None:
+        """Cross-field checks run after decoding (raise ValueError); none by default."""
+
 
 class Task(Message):
     """One prompt to be sampled `group_size` times (a GRPO group)."""
@@ -119,6 +122,9 @@ class ScoredSample(Message):
 
     def msg_id(self) -> str:
         return self.sample.sample_id
+
+    def check_lengths(self) -> None:
+        self.sample.check_lengths()
 
 
 class WeightAnnouncement(Message):

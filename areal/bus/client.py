@@ -192,12 +192,15 @@ class Bus:
         max_inflight: int,
         stop: asyncio.Event,
         fetch_timeout_s: float = 0.5,
+        inline: bool = False,
     ) -> None:
         """Pull from the stage's durable consumer and run `handler(message, lease)` for each.
 
         At most `max_inflight` leases of this consumer are unsettled at once. A handler that
         raises gets its message nak'ed (redelivered with a delay) until `max_deliver`, then
-        dead-lettered with the error.
+        dead-lettered with the error. `inline=True` awaits each handler in the fetch loop instead
+        of starting a task per message: for handlers that only file the message away (the
+        trainer's), it saves a task per message.
         """
         psub = await self.js.pull_subscribe(
             self.names.subject(stream),
@@ -230,7 +233,10 @@ class Bus:
                         continue
                     self._leases.add(lease)
                     mine.add(lease)
-                    self._spawn(self._run_handler(handler, obj, lease))
+                    if inline:
+                        await self._run_handler(handler, obj, lease)
+                    else:
+                        self._spawn(self._run_handler(handler, obj, lease))
         finally:
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()

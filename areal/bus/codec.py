@@ -39,12 +39,10 @@ def decode(data: bytes, cls: type[M]) -> M:
             f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}" for err in e.errors()[:5]
         )
         raise DecodeError(f"invalid {cls.kind} message: {errs}") from None
-    check = getattr(msg, "check_lengths", None)
-    if check is not None:
-        try:
-            check()
-        except ValueError as e:
-            raise DecodeError(str(e)) from None
+    try:
+        msg.check_lengths()
+    except ValueError as e:
+        raise DecodeError(str(e)) from None
     return msg
 
 

@@ -54,6 +54,12 @@ class TinyPreset:
 
 
 TINY_PRESET = TinyPreset()
+# ~8x the tiny preset's compute per token (4 layers of width 256, ~3.2M parameters): closer to a
+# real LLM's balance of model compute against per-sample messaging, for benchmarks on a CPU.
+SMALL_PRESET = TinyPreset(
+    hidden_size=256, num_hidden_layers=4, intermediate_size=768, max_position_embeddings=512
+)
+PRESETS: dict[str, TinyPreset] = {"tiny": TINY_PRESET, "small": SMALL_PRESET}
 
 
 def tiny_config(

@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM
 
 from areal.data.evaluate import evaluate_accuracy  # re-exported: callers import it from here
 from areal.data.tasks import SYNTHETIC_TASKS, TaskSource, make_task_source
-from areal.data.tiny_model import TINY_PRESET, build_tiny_model
+from areal.data.tiny_model import TINY_PRESET, TinyPreset, build_tiny_model
 from areal.data.tokenizer import load_tokenizer
 
 __all__ = ["DEFAULT_RECIPES", "SftRecipe", "ensure_warm_model", "evaluate_accuracy", "warm_key"]
@@ -76,14 +76,20 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "areal-bus" / "models"
 
 
-def warm_key(task_spec: str, task_kwargs: dict[str, Any], recipe: SftRecipe, seed: int) -> str:
+def warm_key(
+    task_spec: str,
+    task_kwargs: dict[str, Any],
+    recipe: SftRecipe,
+    seed: int,
+    preset: TinyPreset = TINY_PRESET,
+) -> str:
     """Stable short hash of everything that determines the warm model's weights."""
     spec_id: Any = task_spec
     if task_spec not in SYNTHETIC_TASKS and Path(task_spec).is_file():
         stat = Path(task_spec).stat()
         spec_id = [str(Path(task_spec).resolve()), stat.st_size, stat.st_mtime_ns]
     blob = json.dumps(
-        [WARM_CODE_VERSION, TINY_PRESET.as_dict(), spec_id, task_kwargs, recipe.__dict__, seed],
+        [WARM_CODE_VERSION, preset.as_dict(), spec_id, task_kwargs, recipe.__dict__, seed],
         sort_keys=True,
         default=str,
     )
@@ -157,6 +163,7 @@ def ensure_warm_model(
     cache_dir: str | Path | None = None,
     task_kwargs: dict[str, Any] | None = None,
     lr: float | None = None,
+    preset: TinyPreset = TINY_PRESET,
 ) -> Path:
     """Path of the warm-started model directory for (task, recipe, seed), building it if it is
     not cached. `sft_steps` / `lr` default to the task's entry in `DEFAULT_RECIPES`."""
@@ -172,7 +179,7 @@ def ensure_warm_model(
     if recipe.steps < 0:
         raise ValueError(f"sft_steps must be >= 0, got {recipe.steps}")
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    key = warm_key(task_spec, task_kwargs, recipe, seed)
+    key = warm_key(task_spec, task_kwargs, recipe, seed, preset)
     slug = task_spec.split(":")[-1] if task_spec in SYNTHETIC_TASKS else Path(task_spec).stem
     final = root / f"warm-{slug}-{recipe.steps}-{key}"
     if final.is_dir():
@@ -191,7 +198,7 @@ def ensure_warm_model(
             torch.set_num_threads(WARM_NUM_THREADS)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                build_tiny_model(tmp, seed=seed)
+                build_tiny_model(tmp, seed=seed, preset=preset)
                 source = make_task_source(task_spec, seed=seed, **task_kwargs)
                 losses = train_sft(tmp, source, recipe, seed) if recipe.steps else []
             meta = {
@@ -199,6 +206,7 @@ def ensure_warm_model(
                 "task_kwargs": task_kwargs,
                 "recipe": recipe.__dict__,
                 "seed": seed,
+                "preset": preset.as_dict(),
                 "code_version": WARM_CODE_VERSION,
                 "final_loss": losses[-1] if losses else None,
                 "build_s": round(time.monotonic() - t0, 2),

@@ -38,6 +38,7 @@ def resolve_model_path(settings: RunSettings) -> str:
     """The model dir; builds (or reuses the cached) warm-started tiny preset when unset."""
     if settings.model.path:
         return settings.model.path
+    from areal.data.tiny_model import PRESETS
     from areal.data.warm_start import ensure_warm_model
 
     return str(
@@ -46,6 +47,7 @@ def resolve_model_path(settings: RunSettings) -> str:
             sft_steps=settings.model.warm_start_steps,
             seed=settings.seed,
             task_kwargs=settings.data.task_kwargs,
+            preset=PRESETS[settings.model.preset],
         )
     )
 

@@ -393,7 +393,12 @@ class TrainerService:
         await self._restore()
         consumer = asyncio.create_task(
             self.bus.consume(
-                S.REWARDS, ScoredSample, self.handle, max_inflight=1_000_000, stop=stop
+                S.REWARDS,
+                ScoredSample,
+                self.handle,
+                max_inflight=1_000_000,
+                stop=stop,
+                inline=True,  # handle() only files the sample into its group
             )
         )
         hb = asyncio.create_task(heartbeat_loop(self.bus, self.heartbeat, stop))
