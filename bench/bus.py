@@ -378,7 +378,9 @@ def find_worker_pid(worker_id: str, cfg_path: Path) -> int | None:
     return None
 
 
-def profile_run(steps: int, rate: int, keep_dir: Path | None, mode: str = "gil") -> dict:
+def profile_run(
+    steps: int, rate: int, keep_dir: Path | None, mode: str = "gil", extra: list[str] = ()
+) -> dict:
     """One `areal run` with py-spy on the rollout and trainer workers.
 
     mode "gil": sample only threads holding the GIL, so a stack is counted only while that
@@ -400,6 +402,7 @@ def profile_run(steps: int, rate: int, keep_dir: Path | None, mode: str = "gil")
         "--quiet",
         "--set",
         f"train.total_steps={steps}",
+        *[a for kv in extra for a in ("--set", kv)],
     ]
     markers = {"rollout-0": "rollout_started", "trainer-0": "trainer_started"}
     spies: dict[str, subprocess.Popen] = {}
@@ -557,6 +560,14 @@ def main() -> int:
     )
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled runs")
     ap.add_argument("--keep-profiles", type=Path, default=None, help="copy raw py-spy output here")
+    ap.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        help="extra override for the profiled runs, e.g. model.preset=small",
+    )
+    ap.add_argument("--tag", default="", help="suffix of the output files, e.g. _small")
     ap.add_argument("--_consumer", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._consumer:
@@ -640,7 +651,7 @@ def main() -> int:
         results = []
         for i in range(runs):
             keep = args.keep_profiles / f"run{i}" if args.keep_profiles else None
-            res = profile_run(args.steps, args.rate, keep, args.profile_mode)
+            res = profile_run(args.steps, args.rate, keep, args.profile_mode, args.extra)
             results.append(res)
             mean_rate, _ = pipeline_rate(res["metrics"])
             print(
@@ -704,7 +715,7 @@ def main() -> int:
         )
         need_table = md_table(
             [
-                "arithmetic run: samples/s (mean)",
+                "profiled run: samples/s (mean)",
                 "p90 per-step samples/s",
                 "bus msg/s, 1k-token Samples",
                 "**ratio (bus / mean need)**",
@@ -737,7 +748,9 @@ def main() -> int:
         prof_section = (
             f"\n## Share of a real run's wall time in bus + codec code\n\n"
             f"`areal run examples/arithmetic.yaml --out <tmp> --quiet --set "
-            f"train.total_steps={args.steps}`, {runs} run(s), py-spy {args.rate} Hz "
+            f"train.total_steps={args.steps}"
+            + "".join(f" --set '{kv}'" for kv in args.extra)
+            + f"`, {runs} run(s), py-spy {args.rate} Hz "
             f"(`--{args.profile_mode} --threads`; gil: a stack counts only while it holds the GIL, "
             f"so waits for the GIL held by the generate/train thread are not billed to the bus; "
             f"idle: every thread always, an upper bound) attached to each worker from its "
@@ -762,7 +775,8 @@ def main() -> int:
         print(prof_section, flush=True)
 
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    plot(RESULTS_DIR / "bus.png", SIZES, bus_res, need)
+    png = f"bus{args.tag}.png"
+    plot(RESULTS_DIR / png, SIZES, bus_res, need)
     md = (
         "# Bus benchmark\n\n"
         + header
@@ -778,10 +792,10 @@ def main() -> int:
         + bus_table
         + "\n"
         + prof_section
-        + "\n![latency and throughput vs size](bus.png)\n"
+        + f"\n![latency and throughput vs size]({png})\n"
     )
-    path = write_result("bus.md", md)
-    print(f"wrote {path} and {RESULTS_DIR / 'bus.png'}")
+    path = write_result(f"bus{args.tag}.md", md)
+    print(f"wrote {path} and {RESULTS_DIR / png}")
     return 0
 
 

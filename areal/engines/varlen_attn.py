@@ -85,11 +85,11 @@ def _bucketed_causal_sdpa(sdpa, module, query, key, value, seg_lens, dropout, sc
         # real position works: causal queries never look right, and padded queries are dropped)
         idx = first[:, None] + torch.minimum(t[None, :], lens[:, None] - 1)
         valid = t[None, :] < lens[:, None]
-        flat = idx.reshape(-1)
+        flat, shape = idx.reshape(-1), (len(group), width)
 
-        def rows(x: torch.Tensor, flat=flat, k=len(group), width=width) -> torch.Tensor:
+        def rows(x: torch.Tensor, flat=flat, shape=shape) -> torch.Tensor:
             # [1, H, L, D] -> [k, H, width, D]
-            return x[0].index_select(1, flat).unflatten(1, (k, width)).transpose(0, 1)
+            return x[0].index_select(1, flat).unflatten(1, shape).transpose(0, 1)
 
         out, _ = sdpa(
             module,

@@ -162,7 +162,11 @@ class RewardService:
         hb = asyncio.create_task(heartbeat_loop(self.bus, self.heartbeat, stop))
         try:
             await self.bus.consume(
-                S.TRAJECTORIES, Sample, self.handle, max_inflight=max(64, 2 * self.batch_size) * self.pool_workers, stop=stop
+                S.TRAJECTORIES,
+                Sample,
+                self.handle,
+                max_inflight=max(64, 2 * self.batch_size) * self.pool_workers,
+                stop=stop,
             )
         finally:
             hb.cancel()
