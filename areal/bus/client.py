@@ -53,8 +53,9 @@ def _write_atomic(path: Path, data: bytes) -> None:
 class Lease:
     """A consumed message until it is settled (ack / nak / term)."""
 
-    def __init__(self, bus: Bus, msg: Msg, stage: str) -> None:
+    def __init__(self, bus: Bus, msg: Msg, stage: str, owner: set[Lease] | None = None) -> None:
         self.bus, self.msg, self.stage = bus, msg, stage
+        self.owner = owner  # the consume loop's set of its unsettled leases
         self.settled = False
         self.received_at = time.monotonic()
 
@@ -65,6 +66,8 @@ class Lease:
     def _settle(self) -> None:
         self.settled = True
         self.bus._leases.discard(self)
+        if self.owner is not None:
+            self.owner.discard(self)
         self.bus._settled.set()  # wakes a consume loop waiting for room
 
     async def ack(self) -> None:
@@ -210,8 +213,7 @@ class Bus:
         mine: set[Lease] = set()
         try:
             while not stop.is_set():
-                mine = {lease for lease in mine if not lease.settled}
-                room = max_inflight - len(mine)
+                room = max_inflight - len(mine)  # settled leases remove themselves
                 if room <= 0:
                     self._settled.clear()
                     with contextlib.suppress(asyncio.TimeoutError):
@@ -225,7 +227,7 @@ class Bus:
                     await asyncio.sleep(0.5)
                     continue
                 for raw in msgs:
-                    lease = Lease(self, raw, stream)
+                    lease = Lease(self, raw, stream, owner=mine)
                     try:
                         obj = decode(raw.data, cls)
                     except DecodeError as e:
