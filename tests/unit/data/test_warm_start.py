@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal.data.tasks import ArithmeticTask
@@ -50,3 +51,22 @@ def test_concurrent_builds_agree(tmp_path):
     assert paths[0] == paths[1]
     built = [p for p in tmp_path.iterdir() if p.is_dir()]
     assert len(built) == 1
+
+
+def test_presets_are_separate_cache_entries_with_their_dims(tmp_path, monkeypatch):
+    from areal.config import ConfigError, load_settings
+    from areal.data.tiny_model import PRESETS
+    from areal.launch.worker import resolve_model_path
+
+    tiny = ensure_warm_model(sft_steps=0, seed=0, cache_dir=tmp_path)
+    small = ensure_warm_model(sft_steps=0, seed=0, cache_dir=tmp_path, preset=PRESETS["small"])
+    assert tiny != small
+    cfg = json.loads((small / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"]) == (256, 4)
+    assert json.loads((small / "areal_warm_start.json").read_text())["preset"]["hidden_size"] == 256
+    # the config knob reaches the same cache entry
+    monkeypatch.setenv("AREAL_CACHE_DIR", str(tmp_path))
+    settings = load_settings(None, ["model.preset=small", "model.warm_start_steps=0"])
+    assert resolve_model_path(settings) == str(small)
+    with pytest.raises(ConfigError, match="model.preset"):
+        load_settings(None, ["model.preset=huge"])
