@@ -256,6 +256,11 @@ class Bus:
             else:
                 await lease.nak(delay_s=1.0)
 
+    @property
+    def held_leases(self) -> int:
+        """Consumed messages of this connection not yet settled (kept alive by heartbeats)."""
+        return len(self._leases)
+
     def _spawn(self, coro: Awaitable[None]) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)

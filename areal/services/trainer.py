@@ -385,7 +385,7 @@ class TrainerService:
             "busy_frac": self.meter.busy_frac(),
             "buffered_groups": len(self.groups),
             "complete_groups": complete,
-            "held_leases": len(self.bus._leases),
+            "held_leases": self.bus.held_leases,
         }
 
     async def run(self, stop: asyncio.Event) -> dict | None:
