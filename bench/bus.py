@@ -311,18 +311,36 @@ def _file(frame: str) -> str:
     return frame[i + 2 : frame.rfind(":")] if i >= 0 else ""
 
 
+APP_MARKERS = ("/areal/", "/workers/")  # project code outside the bus (checked after bus/codec)
+
+
+def _owner(file: str) -> str | None:
+    if any(m in file for m in CODEC_MARKERS):
+        return "codec"
+    if any(m in file for m in BUS_MARKERS):
+        return "bus"
+    if any(m in file for m in APP_MARKERS):
+        return "other"
+    return None  # stdlib / third-party: billed to whoever called it
+
+
 def classify(frames: list[str]) -> str:
-    """'weights' | 'codec' | 'bus' | 'other' for one py-spy stack (outermost first)."""
+    """'weights' | 'codec' | 'bus' | 'other' for one py-spy stack (outermost first).
+
+    Weights transfer is any stack through `get_weights`/`put_weights` or the object store.
+    Otherwise the innermost frame that is codec, bus or project code decides: a handler's own
+    code (e.g. the trainer filing a sample into its group) runs *under* `Bus.consume` but is
+    application work, while asyncio or socket frames under a bus call are bus work."""
     files = [_file(f) for f in frames]
     if any(
         f.endswith("/areal/bus/client.py") and fr.startswith(("get_weights", "put_weights"))
         for f, fr in zip(files, frames, strict=True)
     ) or any("/nats/js/object_store.py" in f for f in files):
         return "weights"
-    if any(m in f for f in files for m in CODEC_MARKERS):
-        return "codec"
-    if any(m in f for f in files for m in BUS_MARKERS):
-        return "bus"
+    for f in reversed(files):
+        owner = _owner(f)
+        if owner is not None:
+            return owner
     return "other"
 
 
