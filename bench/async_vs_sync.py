@@ -13,8 +13,8 @@ asynchronous runs of this model collapse to reward 0 within 30 steps), and
 which on a CPU costs more than it saves when versions come every few hundred ms). Other
 settings from examples/arithmetic.yaml (B=16, G=8, 2 minibatches). Why the small preset and not
 the quickstart's tiny one: with 0.4M parameters a sample is so cheap that per-sample messaging,
-scoring and NATS take about a third of the CPU, which caps any overlap on 2 cores near 1.5x;
-a real LLM's per-sample compute is orders of magnitude larger still.
+scoring and NATS compete with the model for the 2 cores (the tiny preset gave 1.03-1.28x at
+commit ae04e5e); a real LLM's per-sample compute is orders of magnitude larger still.
 
 Modes:
 - sync-colocated: `max_staleness=0`, not interruptible, no pinning, `rollout.torch_threads=2`
