@@ -18,6 +18,8 @@ right-padded batches (causal attention never sees the right padding) stay exact 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 NAME = "areal_varlen_sdpa"
@@ -69,14 +71,18 @@ def length_buckets(seg_lens: list[int], ratio: float = 2.0) -> list[list[int]]:
     return groups
 
 
-def _bucketed_causal_sdpa(sdpa, module, query, key, value, seg_lens, dropout, scaling):
-    """[1, L, H, D] output of causal attention within each segment of the packed row."""
-    device = query.device
+@functools.lru_cache(maxsize=32)
+@torch.inference_mode(False)  # cached tensors must stay usable by autograd later
+def _bucket_plan(seg_lens: tuple[int, ...], device: torch.device) -> tuple[list, torch.Tensor]:
+    """Gather indices per length bucket, and the inverse permutation back to packed order.
+
+    Cached: every layer of a forward (and the backward's replay) sees the same segments, so
+    the index tensors are built once per micro-batch layout, not once per layer."""
     starts = [0]
     for n in seg_lens[:-1]:
         starts.append(starts[-1] + n)
-    outs, positions = [], []
-    for group in length_buckets(seg_lens):
+    buckets, positions = [], []
+    for group in length_buckets(list(seg_lens)):
         width = seg_lens[group[0]]
         t = torch.arange(width, device=device)
         lens = torch.tensor([seg_lens[i] for i in group], device=device)
@@ -85,7 +91,19 @@ def _bucketed_causal_sdpa(sdpa, module, query, key, value, seg_lens, dropout, sc
         # real position works: causal queries never look right, and padded queries are dropped)
         idx = first[:, None] + torch.minimum(t[None, :], lens[:, None] - 1)
         valid = t[None, :] < lens[:, None]
-        flat, shape = idx.reshape(-1), (len(group), width)
+        buckets.append((idx.reshape(-1), (len(group), width), valid))
+        positions.append(idx[valid])
+    order = torch.cat(positions)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=device)
+    return buckets, inverse
+
+
+def _bucketed_causal_sdpa(sdpa, module, query, key, value, seg_lens, dropout, scaling):
+    """[1, L, H, D] output of causal attention within each segment of the packed row."""
+    buckets, inverse = _bucket_plan(tuple(seg_lens), query.device)
+    outs = []
+    for flat, shape, valid in buckets:
 
         def rows(x: torch.Tensor, flat=flat, shape=shape) -> torch.Tensor:
             # [1, H, L, D] -> [k, H, width, D]
@@ -102,10 +120,6 @@ def _bucketed_causal_sdpa(sdpa, module, query, key, value, seg_lens, dropout, sc
             is_causal=True,
         )  # [k, width, H, D]
         outs.append(out[valid])  # [sum(lens), H, D], segment by segment
-        positions.append(idx[valid])
-    order = torch.cat(positions)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=device)
     return torch.cat(outs).index_select(0, inverse).unsqueeze(0)
 
 

@@ -48,3 +48,17 @@ def test_bucketed_attention_equals_each_segment_alone(lens):
     ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
     for a, b in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_index_plan_cached_under_inference_mode_still_serves_autograd():
+    # the inference engine's prefill may build a layout's plan first (inference mode); the
+    # trainer reusing that cached plan must still be able to backpropagate
+    lens = [3, 7, 2, 6]
+    q = torch.randn(1, 4, sum(lens), 8)
+    kv = torch.randn(1, 2, sum(lens), 8)
+    with torch.inference_mode():
+        _bucketed_causal_sdpa(sdpa_attention_forward, _Mod(), q, kv, kv, lens, 0.0, None)
+    q.requires_grad_(True)
+    out = _bucketed_causal_sdpa(sdpa_attention_forward, _Mod(), q, kv, kv, lens, 0.0, None)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
