@@ -324,16 +324,21 @@ def _owner(file: str) -> str | None:
     return None  # stdlib / third-party: billed to whoever called it
 
 
+# `_write_atomic` writes a file-transport weights file in a worker thread (no `put_weights` frame)
+WEIGHTS_FUNCS = ("get_weights", "put_weights", "_write_atomic")
+
+
 def classify(frames: list[str]) -> str:
     """'weights' | 'codec' | 'bus' | 'other' for one py-spy stack (outermost first).
 
-    Weights transfer is any stack through `get_weights`/`put_weights` or the object store.
+    Weights transfer is any stack through `get_weights`/`put_weights` (or the file write of
+    the latter, in its worker thread) or the object store.
     Otherwise the innermost frame that is codec, bus or project code decides: a handler's own
     code (e.g. the trainer filing a sample into its group) runs *under* `Bus.consume` but is
     application work, while asyncio or socket frames under a bus call are bus work."""
     files = [_file(f) for f in frames]
     if any(
-        f.endswith("/areal/bus/client.py") and fr.startswith(("get_weights", "put_weights"))
+        f.endswith("/areal/bus/client.py") and fr.startswith(WEIGHTS_FUNCS)
         for f, fr in zip(files, frames, strict=True)
     ) or any("/nats/js/object_store.py" in f for f in files):
         return "weights"

@@ -30,6 +30,7 @@ from nats.js.errors import BadRequestError, KeyNotFoundError
 
 from areal.bus.codec import DecodeError, decode, encode
 from areal.bus.connection import connect
+from areal.bus.jetstream import PublishAcks, PullInbox
 from areal.bus.streams import BusOptions, declare_run
 from schemas import DeadLetter, Event, Message, MetricRecord, WeightAnnouncement
 from schemas import subjects as S
@@ -37,6 +38,9 @@ from schemas.subjects import RunNames
 
 log = structlog.get_logger()
 M = TypeVar("M", bound=Message)
+
+
+PULL_BATCH_CAP = 256  # most messages one pull request asks for
 
 
 class MessageTooLarge(ValueError):
@@ -53,9 +57,9 @@ def _write_atomic(path: Path, data: bytes) -> None:
 class Lease:
     """A consumed message until it is settled (ack / nak / term)."""
 
-    def __init__(self, bus: Bus, msg: Msg, stage: str, owner: set[Lease] | None = None) -> None:
+    def __init__(self, bus: Bus, msg: Msg, stage: str, owner: PullInbox | None = None) -> None:
         self.bus, self.msg, self.stage = bus, msg, stage
-        self.owner = owner  # the consume loop's set of its unsettled leases
+        self.owner = owner  # the consume loop that holds this lease (room for more when settled)
         self.settled = False
         self.received_at = time.monotonic()
 
@@ -67,8 +71,7 @@ class Lease:
         self.settled = True
         self.bus._leases.discard(self)
         if self.owner is not None:
-            self.owner.discard(self)
-        self.bus._settled.set()  # wakes a consume loop waiting for room
+            self.owner.release(self)
 
     async def ack(self) -> None:
         if not self.settled:
@@ -98,9 +101,9 @@ class Bus:
         self.role, self.worker_id = role, worker_id
         self.opts = opts or BusOptions()
         self._leases: set[Lease] = set()
-        self._settled = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._heartbeat_task: asyncio.Task | None = None
+        self._acks = PublishAcks(nc)
         self._kv = None
         self._obs = None
         self.dlq_count = 0
@@ -117,6 +120,7 @@ class Bus:
     ) -> Bus:
         nc = await connect(url, f"areal-{run_id}-{worker_id}")
         bus = cls(nc, run_id, role, worker_id, opts)
+        await bus._acks.start()
         if declare:
             await bus.declare()
         bus._heartbeat_task = asyncio.create_task(bus._heartbeat_loop())
@@ -152,9 +156,7 @@ class Bus:
         delay = 0.2
         for attempt in range(12):
             try:
-                await self.js.publish(
-                    subject, data, headers=headers, timeout=self.opts.publish_timeout_s
-                )
+                await self._acks.publish(subject, data, headers, self.opts.publish_timeout_s)
                 return
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
                 log.warning(
@@ -194,54 +196,52 @@ class Bus:
         *,
         max_inflight: int,
         stop: asyncio.Event,
-        fetch_timeout_s: float = 0.5,
+        expires_s: float = 5.0,
         inline: bool = False,
     ) -> None:
         """Pull from the stage's durable consumer and run `handler(message, lease)` for each.
 
-        At most `max_inflight` leases of this consumer are unsettled at once. A handler that
-        raises gets its message nak'ed (redelivered with a delay) until `max_deliver`, then
-        dead-lettered with the error. `inline=True` awaits each handler in the fetch loop instead
-        of starting a task per message: for handlers that only file the message away (the
-        trainer's), it saves a task per message.
+        At most `max_inflight` leases of this consumer are unsettled at once: pull requests stay
+        open on the server for only as many messages as there is room for (`areal.bus.jetstream`). A
+        handler that raises gets its message nak'ed (redelivered with a delay) until
+        `max_deliver`, then dead-lettered with the error. `inline=True` awaits each handler in the
+        loop instead of starting a task per message: for handlers that only file the message away
+        (the trainer's), it saves a task per message. On return, messages delivered but not
+        handled yet are nak'ed so another worker takes them at once.
         """
-        psub = await self.js.pull_subscribe(
-            self.names.subject(stream),
-            durable=S.CONSUMER_OF[stream],
-            stream=self.names.stream(stream),
+        pull = PullInbox(
+            self.nc,
+            self.names.stream(stream),
+            S.CONSUMER_OF[stream],
+            batch_cap=PULL_BATCH_CAP,
+            expires_s=expires_s,
         )
-        mine: set[Lease] = set()
+        await pull.start()
         try:
             while not stop.is_set():
-                room = max_inflight - len(mine)  # settled leases remove themselves
-                if room <= 0:
-                    self._settled.clear()
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._settled.wait(), 0.5)
-                    continue
                 try:
-                    msgs = await psub.fetch(room, timeout=fetch_timeout_s)
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
-                    continue
+                    await pull.top_up(max_inflight)
                 except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
                     await asyncio.sleep(0.5)
                     continue
-                for raw in msgs:
-                    lease = Lease(self, raw, stream, owner=mine)
+                await pull.wait(0.5)
+                for raw in pull.take():
+                    lease = Lease(self, raw, stream, owner=pull)
                     try:
                         obj = decode(raw.data, cls)
                     except DecodeError as e:
                         await lease.dead_letter(str(e))
                         continue
                     self._leases.add(lease)
-                    mine.add(lease)
+                    pull.held.add(lease)
                     if inline:
                         await self._run_handler(handler, obj, lease)
                     else:
                         self._spawn(self._run_handler(handler, obj, lease))
         finally:
-            with contextlib.suppress(Exception):
-                await psub.unsubscribe()
+            for raw in await pull.close():
+                with contextlib.suppress(Exception):
+                    await raw.nak()
 
     async def _run_handler(self, handler: Handler, obj: Message, lease: Lease) -> None:
         try:

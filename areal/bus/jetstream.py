@@ -1,0 +1,193 @@
+"""JetStream's pull and publish protocols spoken directly over the core NATS connection.
+
+nats-py's `fetch()` costs two tasks, a uuid and often a fresh pull request per message when
+messages trickle in one by one (the normal case for a trainer fed at the pipeline's rate), and
+its `publish()` a random token, a `wait_for` and a `PubAck` dataclass per message. Per sample
+that is more Python than the codec; these two classes do the same protocol with less.
+
+`PullInbox`: the consume loop keeps pull requests open on the server for as many messages as it
+has room for; the server streams messages to one inbox subscription as they arrive, and the
+loop takes them in batches. `outstanding` is how many messages the open requests may still
+deliver. Each delivered message takes one off; a request's end (status 408 "Request Timeout"
+at its expiry, or 409, e.g. "Exceeded MaxWaiting") carries `Nats-Pending-Messages`, the part it
+did not deliver, which is taken off too. Invariant: held leases + outstanding <= max_inflight,
+so the server never sends more than the loop has room for. Should a status be lost (a
+reconnect drops the server's pending requests), the count is reset once every request has
+passed its expiry plus a grace period.
+
+`PublishAcks`: a JetStream publish is a core publish with a reply subject; the stream answers
+there with its ack (`{"stream", "seq"}` or `{"error"}`). Replies come to one wildcard inbox
+subscription and resolve a future per publish; the timeout is one timer handle per publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import time
+
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+log = structlog.get_logger()
+
+STATUS = "Status"
+PENDING_MESSAGES = "Nats-Pending-Messages"
+REQUEST_GRACE_S = 2.0  # after a request's expiry, how long to wait for its 408 before resetting
+
+
+class PublishAcks:
+    """Futures for JetStream publish acks, resolved from one wildcard reply subscription."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self.prefix = nc.new_inbox() + "."
+        self._next = 0
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._sub = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(self.prefix + "*", cb=self._on_reply)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        fut = self._waiting.pop(msg.subject[len(self.prefix) :], None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    async def publish(
+        self, subject: str, data: bytes, headers: dict[str, str] | None, timeout_s: float
+    ) -> int:
+        """Publish and wait for the stream's ack; returns the stream sequence.
+
+        Raises `nats.errors.TimeoutError` (no ack in time: retry with the same `Nats-Msg-Id`),
+        `nats.errors.NoRespondersError` (no stream on the subject, or JetStream is down), or
+        `nats.js.errors.APIError` (the stream refused the message)."""
+        self._next += 1
+        token = str(self._next)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._waiting[token] = fut
+        timer = loop.call_later(timeout_s, _expire, fut)
+        try:
+            await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
+            msg = await fut
+        finally:
+            timer.cancel()
+            self._waiting.pop(token, None)
+        if msg is None:
+            raise nats.errors.TimeoutError
+        status = msg.headers.get(STATUS) if msg.headers else None
+        if status == "503":
+            raise nats.errors.NoRespondersError
+        if status is not None:
+            desc = msg.headers.get("Description", "")
+            raise nats.js.errors.APIError(code=int(status), description=desc)
+        ack = json.loads(msg.data)
+        if "error" in ack:
+            raise nats.js.errors.APIError.from_error(ack["error"])
+        return ack.get("seq", 0)
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class PullInbox:
+    """Open pull requests of one durable consumer and the messages they have delivered."""
+
+    def __init__(
+        self, nc: Client, stream: str, durable: str, *, batch_cap: int, expires_s: float
+    ) -> None:
+        self.nc = nc
+        self.api_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self.inbox = nc.new_inbox()
+        self.batch_cap = batch_cap
+        self.expires_s = expires_s
+        self.outstanding = 0
+        self.last_expiry = 0.0  # monotonic time by which every open request has expired
+        self.buf: collections.deque[Msg] = collections.deque()
+        self.wake = asyncio.Event()  # set by a delivery and by a settled lease (room)
+        self.held: set = set()  # this loop's unsettled leases (they remove themselves)
+        self._sub = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(self.inbox, cb=self._on_msg)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self.buf.append(msg)
+        self.wake.set()
+
+    def release(self, lease: object) -> None:
+        self.held.discard(lease)
+        self.wake.set()
+
+    async def top_up(self, max_inflight: int) -> None:
+        """Ask for more messages once at least half of what there is room for is not asked."""
+        if self.outstanding and time.monotonic() > self.last_expiry + REQUEST_GRACE_S:
+            log.warning("pull_requests_lost", subject=self.api_subject, assumed=self.outstanding)
+            self.outstanding = 0
+        target = min(max_inflight - len(self.held), self.batch_cap)
+        deficit = target - self.outstanding
+        if deficit <= 0 or deficit < max(1, target // 2):
+            return
+        req = {"batch": deficit, "expires": int(self.expires_s * 1e9)}
+        await self.nc.publish(self.api_subject, json.dumps(req).encode(), reply=self.inbox)
+        self.outstanding += deficit
+        self.last_expiry = time.monotonic() + self.expires_s
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until a delivery, a settled lease or the timeout (no task per wait)."""
+        if self.buf:
+            return
+        self.wake.clear()
+        handle = asyncio.get_running_loop().call_later(timeout_s, self.wake.set)
+        try:
+            await self.wake.wait()
+        finally:
+            handle.cancel()
+
+    def take(self) -> list[Msg]:
+        """The delivered messages, with the pull requests' status messages accounted and
+        dropped."""
+        out: list[Msg] = []
+        while self.buf:
+            msg = self.buf.popleft()
+            status = msg.headers.get(STATUS) if msg.headers else None
+            if status is None:
+                self.outstanding = max(0, self.outstanding - 1)
+                out.append(msg)
+            else:
+                self._on_status(status, msg)
+        return out
+
+    def _on_status(self, status: str, msg: Msg) -> None:
+        pending = msg.headers.get(PENDING_MESSAGES)
+        if pending is not None and pending.isdigit():
+            self.outstanding = max(0, self.outstanding - int(pending))
+        elif status == "503":  # no JetStream behind the API subject: nothing was registered
+            self.outstanding = 0
+        if status not in ("100", "408"):
+            log.warning(
+                "pull_status",
+                subject=self.api_subject,
+                status=status,
+                description=msg.headers.get("Description", ""),
+            )
+
+    async def close(self) -> list[Msg]:
+        """Unsubscribe; returns delivered messages not yet taken (the caller hands them back)."""
+        if self._sub is not None:
+            with contextlib.suppress(Exception):  # connection already closed
+                await self._sub.unsubscribe()
+        return self.take()

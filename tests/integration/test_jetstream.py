@@ -1,0 +1,176 @@
+"""JetStream spoken directly (`areal.bus.jetstream`), against a real nats-server.
+
+Pull consumer: the in-flight bound holds while messages trickle in, expired pull requests are
+renewed, and delivered but unhandled messages are handed back at once when a worker stops.
+Publish acks: the stream's sequence comes back, and a missing stream, a refused message and a
+silent responder each raise the error the bus's retry loop expects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats.errors
+import nats.js.errors
+import pytest
+from nats.aio.msg import Msg
+from structlog.testing import capture_logs
+
+from areal.bus.jetstream import PullInbox
+from schemas import Sample
+from schemas import subjects as S
+from tests.integration.test_bus import make_bus, wait_for
+from tests.unit.schemas.test_messages import make_sample
+
+pytestmark = pytest.mark.integration
+
+
+def sample(i: int) -> Sample:
+    return Sample(**{**make_sample().model_dump(), "sample_idx": 0, "task_id": f"t{i}"})
+
+
+async def test_inflight_bound_holds_while_messages_trickle_in(nats_url, run_id):
+    bus = await make_bus(nats_url, run_id)
+    held, peak, seen = [], 0, []
+    stop = asyncio.Event()
+
+    async def hold(s, lease):
+        nonlocal peak
+        seen.append(s.task_id)
+        held.append(lease)
+        peak = max(peak, bus.held_leases)
+
+    consumer = asyncio.create_task(
+        bus.consume(S.TRAJECTORIES, Sample, hold, max_inflight=3, stop=stop, inline=True)
+    )
+    for i in range(10):  # one at a time, as a pipeline produces them
+        await bus.publish(S.TRAJECTORIES, sample(i))
+        await asyncio.sleep(0.01)
+    await wait_for(lambda: len(seen) == 3)
+    await asyncio.sleep(0.5)
+    assert len(seen) == 3 and peak == 3  # no room: nothing more is delivered
+    for lease in held[:2]:
+        await lease.ack()
+    await wait_for(lambda: len(seen) == 5)
+    await asyncio.sleep(0.3)
+    assert len(seen) == 5 and bus.held_leases == 3
+    while len(seen) < 10:  # settle as they come: all ten, each once
+        for lease in list(held):
+            await lease.ack()
+            held.remove(lease)
+        await asyncio.sleep(0.05)
+    stop.set()
+    await consumer
+    assert sorted(seen) == sorted(f"t{i}" for i in range(10))
+    await bus.close()
+
+
+async def test_expired_pull_requests_are_renewed(nats_url, run_id):
+    bus = await make_bus(nats_url, run_id)
+    seen = []
+    stop = asyncio.Event()
+
+    async def handler(s, lease):
+        seen.append(s.task_id)
+        await lease.ack()
+
+    with capture_logs() as logs:
+        consumer = asyncio.create_task(
+            bus.consume(S.TRAJECTORIES, Sample, handler, max_inflight=4, stop=stop, expires_s=0.2)
+        )
+        for n in range(1, 4):  # gaps of several request lifetimes between messages
+            await asyncio.sleep(0.7)
+            await bus.publish(S.TRAJECTORIES, sample(n))
+            await wait_for(lambda n=n: len(seen) == n, timeout=5)
+        stop.set()
+        await consumer
+    # every expired request was accounted by its 408, none had to be presumed lost
+    assert not [e for e in logs if e["event"] in ("pull_requests_lost", "pull_status")]
+    await bus.close()
+
+
+async def test_stop_hands_back_delivered_messages_at_once(nats_url, run_id):
+    """Messages the server delivered to a stopping worker are nak'ed, not left to ack_wait."""
+    a = await make_bus(nats_url, run_id, ack_wait_s=60)
+    await a.publish(S.TRAJECTORIES, sample(0))
+    stop = asyncio.Event()
+    first = []
+
+    async def stopping(s, lease):  # the worker is told to stop while more arrive for it
+        first.append(s.task_id)
+        stop.set()
+        for i in range(1, 6):
+            await a.publish(S.TRAJECTORIES, sample(i))
+        await asyncio.sleep(0.3)  # delivered to this worker's inbox meanwhile
+        await lease.ack()
+
+    await a.consume(S.TRAJECTORIES, Sample, stopping, max_inflight=6, stop=stop, inline=True)
+    assert first == ["t0"]
+    b = await make_bus(nats_url, run_id, role="other", ack_wait_s=60)
+    rest = []
+
+    async def take(s, lease):
+        rest.append(s.task_id)
+        await lease.ack()
+
+    stop_b = asyncio.Event()
+    cb = asyncio.create_task(b.consume(S.TRAJECTORIES, Sample, take, max_inflight=6, stop=stop_b))
+    await wait_for(lambda: len(first) + len(rest) >= 6, timeout=10)  # far under ack_wait
+    stop_b.set()
+    await cb
+    assert sorted(first + rest) == sorted(f"t{i}" for i in range(6))
+    await a.close()
+    await b.close()
+
+
+def _status(code: str, pending: int | None) -> Msg:
+    headers = {"Status": code, "Description": "Request Timeout"}
+    if pending is not None:
+        headers["Nats-Pending-Messages"] = str(pending)
+    return Msg(_client=None, subject="_INBOX.x", data=b"", headers=headers)
+
+
+async def test_status_messages_release_what_their_request_did_not_deliver(nats_url, run_id):
+    bus = await make_bus(nats_url, run_id)
+    pull = PullInbox(bus.nc, "S", "c", batch_cap=8, expires_s=5.0)
+    await pull.top_up(max_inflight=8)  # asks for 8 (no consumer behind it: nothing arrives)
+    assert pull.outstanding == 8
+    await pull.top_up(max_inflight=8)
+    assert pull.outstanding == 8  # nothing more while everything there is room for is asked
+    pull.buf.extend([Msg(_client=None, subject="x", data=b"1"), _status("408", 5)])
+    taken = pull.take()
+    assert len(taken) == 1 and pull.outstanding == 8 - 1 - 5
+    pull.buf.append(_status("100", None))  # an idle heartbeat changes nothing
+    pull.take()
+    assert pull.outstanding == 2
+    pull.last_expiry = time.monotonic() - 10  # its 408 was lost (e.g. a reconnect)
+    await pull.top_up(max_inflight=8)
+    assert pull.outstanding == 8  # reset, then asked again for all there is room for
+    await bus.close()
+
+
+async def test_publish_ack_returns_the_stream_sequence(nats_url, run_id):
+    bus = await make_bus(nats_url, run_id)
+    subject = bus.names.subject(S.TRAJECTORIES)
+    seqs = [await bus._acks.publish(subject, b"x", None, 5.0) for _ in range(3)]
+    assert seqs == [1, 2, 3]
+    # the same Nats-Msg-Id twice: stored once, acked both times with the first sequence
+    dup = [await bus._acks.publish(subject, b"y", {"Nats-Msg-Id": "m1"}, 5.0) for _ in range(2)]
+    assert dup == [4, 4]
+    await bus.close()
+
+
+async def test_publish_ack_errors(nats_url, run_id):
+    bus = await make_bus(nats_url, run_id)
+    with pytest.raises(nats.errors.NoRespondersError):  # no stream listens on the subject
+        await bus._acks.publish(f"nostream.{run_id}", b"x", None, 5.0)
+    with pytest.raises(nats.js.errors.APIError):  # the stream refuses it
+        await bus._acks.publish(
+            bus.names.subject(S.TRAJECTORIES), b"x", {"Nats-Expected-Stream": "other"}, 5.0
+        )
+    silent = await bus.nc.subscribe(f"silent.{run_id}")  # a responder that never answers
+    with pytest.raises(nats.errors.TimeoutError):
+        await bus._acks.publish(f"silent.{run_id}", b"x", None, 0.3)
+    await silent.unsubscribe()
+    assert not bus._acks._waiting  # nothing left behind by the failures
+    await bus.close()
