@@ -515,6 +515,21 @@ def profile_run(
     return res
 
 
+def flusher_note(extra: list[str], weights_bytes: int, versions: int) -> str:
+    """What the trainer's nats-py flusher writes, for the profile section."""
+    note = (
+        "The nats-py flusher (`Client._flusher > TcpTransport.writelines`) writes every outgoing "
+        "byte of a connection, so its time is counted as bus msg"
+    )
+    if "weights.transport=file" in extra:
+        return note + " (weights go to files here, so its bytes are acks, pulls and metrics).\n"
+    return note + (
+        f"; in the trainer those bytes are mostly weights: {weights_bytes / 2**20:.1f} MiB of "
+        f"safetensors per version x {versions} versions ({weights_bytes * versions / 2**20:.0f} "
+        "MiB) against ~100 B per ack / heartbeat.\n"
+    )
+
+
 def pipeline_rate(recs: list[dict]) -> tuple[float, float]:
     """(mean samples/s over the run, p90 of per-step samples/s)."""
     total = sum(r["samples"] for r in recs)
@@ -779,18 +794,16 @@ def main() -> int:
             f"idle: every thread always, an upper bound) attached to each worker from its "
             f"`*_started` log line to its exit; median over runs. codec = stacks in "
             f"`areal/bus/codec.py`, msgpack, `schemas/`, pydantic (incl. building `Sample`s); bus "
-            f"msg = other `areal/bus/` + `nats/` stacks (publish, fetch, ack, heartbeats, KV); "
-            f"weights I/O = `Bus.get_weights`/`put_weights` incl. object store and sha256 "
+            f"msg = other `areal/bus/` + `nats/` stacks (publish, pull, ack, heartbeats, KV); "
+            f"weights I/O = `Bus.get_weights`/`put_weights` incl. object store, file write and "
+            f"sha256 "
             f"(bus code too, but bulk transfer, reported apart).\n\n{prof_table}\n\n"
             f"Top bus/codec stacks, outermost > innermost bus/codec frame (share of that worker's wall, "
             f"all runs):\n\n"
             + "\n".join(hot_lines)
-            + f"\n\nThe nats-py flusher (`Client._flusher > TcpTransport.writelines`) writes "
-            f"every outgoing byte of a connection, so its time is counted as bus msg; in the "
-            f"trainer those bytes are mostly weights: {results[0]['weights_bytes'] / 2**20:.1f} "
-            f"MiB of safetensors per version x {args.steps + 1} versions "
-            f"({results[0]['weights_bytes'] * (args.steps + 1) / 2**20:.0f} MiB) against ~100 B "
-            f"per ack / heartbeat.\n" + f"\n## Bus throughput vs what the pipeline needs\n\n"
+            + "\n\n"
+            + flusher_note(args.extra, results[0]["weights_bytes"], args.steps + 1)
+            + "\n## Bus throughput vs what the pipeline needs\n\n"
             f"Samples/s of the same runs from `metrics.jsonl` (sum of samples / final wall_s; "
             f"mean generated length {gen_len:.1f} tokens). Each sample crosses the bus twice "
             f"(trajectories, rewards), plus one prompt per {8} samples.\n\n{need_table}\n"

@@ -30,6 +30,7 @@ from nats.js.errors import BadRequestError, KeyNotFoundError
 
 from areal.bus.codec import DecodeError, decode, encode
 from areal.bus.connection import connect
+from areal.bus.embedded import MAX_PAYLOAD_BYTES
 from areal.bus.jetstream import PublishAcks, PullInbox
 from areal.bus.streams import BusOptions, declare_run
 from schemas import DeadLetter, Event, Message, MetricRecord, WeightAnnouncement
@@ -41,6 +42,7 @@ M = TypeVar("M", bound=Message)
 
 
 PULL_BATCH_CAP = 256  # most messages one pull request asks for
+PULL_MAX_BYTES = 2 * MAX_PAYLOAD_BYTES  # most bytes one pull request delivers (>= a message)
 
 
 class MessageTooLarge(ValueError):
@@ -214,6 +216,7 @@ class Bus:
             self.names.stream(stream),
             S.CONSUMER_OF[stream],
             batch_cap=PULL_BATCH_CAP,
+            max_bytes=PULL_MAX_BYTES,
             expires_s=expires_s,
         )
         await pull.start()

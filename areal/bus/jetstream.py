@@ -9,8 +9,11 @@ that is more Python than the codec; these two classes do the same protocol with 
 has room for; the server streams messages to one inbox subscription as they arrive, and the
 loop takes them in batches. `outstanding` is how many messages the open requests may still
 deliver. Each delivered message takes one off; a request's end (status 408 "Request Timeout"
-at its expiry, or 409, e.g. "Exceeded MaxWaiting") carries `Nats-Pending-Messages`, the part it
-did not deliver, which is taken off too. Invariant: held leases + outstanding <= max_inflight,
+at its expiry, or 409, e.g. "Message Size Exceeds MaxBytes" once its byte cap is reached, or
+"Exceeded MaxWaiting") carries `Nats-Pending-Messages`, the part it did not deliver, which is
+taken off too. The byte cap keeps what one request may deliver well under the server's and the
+client's pending limits (64 / 128 MiB), where large samples would otherwise get the worker cut
+off as a slow consumer. Invariant: held leases + outstanding <= max_inflight,
 so the server never sends more than the loop has room for. Should a status be lost (a
 reconnect drops the server's pending requests), the count is reset once every request has
 passed its expiry plus a grace period.
@@ -107,12 +110,20 @@ class PullInbox:
     """Open pull requests of one durable consumer and the messages they have delivered."""
 
     def __init__(
-        self, nc: Client, stream: str, durable: str, *, batch_cap: int, expires_s: float
+        self,
+        nc: Client,
+        stream: str,
+        durable: str,
+        *,
+        batch_cap: int,
+        max_bytes: int,
+        expires_s: float,
     ) -> None:
         self.nc = nc
         self.api_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self.inbox = nc.new_inbox()
         self.batch_cap = batch_cap
+        self.max_bytes = max_bytes  # per request; >= the largest message, or it never comes
         self.expires_s = expires_s
         self.outstanding = 0
         self.last_expiry = 0.0  # monotonic time by which every open request has expired
@@ -141,7 +152,7 @@ class PullInbox:
         deficit = target - self.outstanding
         if deficit <= 0 or deficit < max(1, target // 2):
             return
-        req = {"batch": deficit, "expires": int(self.expires_s * 1e9)}
+        req = {"batch": deficit, "max_bytes": self.max_bytes, "expires": int(self.expires_s * 1e9)}
         await self.nc.publish(self.api_subject, json.dumps(req).encode(), reply=self.inbox)
         self.outstanding += deficit
         self.last_expiry = time.monotonic() + self.expires_s
@@ -172,17 +183,18 @@ class PullInbox:
         return out
 
     def _on_status(self, status: str, msg: Msg) -> None:
+        desc = msg.headers.get("Description", "")
         pending = msg.headers.get(PENDING_MESSAGES)
         if pending is not None and pending.isdigit():
             self.outstanding = max(0, self.outstanding - int(pending))
         elif status == "503":  # no JetStream behind the API subject: nothing was registered
             self.outstanding = 0
-        if status not in ("100", "408"):
+        if status not in ("100", "408") and not (status == "409" and "MaxBytes" in desc):
             log.warning(
                 "pull_status",
                 subject=self.api_subject,
                 status=status,
-                description=msg.headers.get("Description", ""),
+                description=desc,
             )
 
     async def close(self) -> list[Msg]:

@@ -11,7 +11,7 @@ from areal.bus.codec import decode
 from areal.bus.streams import BusOptions
 from schemas import DeadLetter, Sample, Task, WeightAnnouncement
 from schemas import subjects as S
-from tests.unit.schemas.test_messages import make_sample
+from tests.factories import make_sample
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ async def test_consume_acks_and_handles_each_message_once(nats_url, run_id):
     for i in range(5):
         await bus.publish(
             S.TRAJECTORIES,
-            Sample(**{**make_sample().model_dump(), "sample_idx": i % 4, "task_id": f"t{i}"}),
+            make_sample(sample_idx=i % 4, task_id=f"t{i}"),
         )
     seen: list[str] = []
     stop = asyncio.Event()

@@ -16,17 +16,19 @@ import pytest
 from nats.aio.msg import Msg
 from structlog.testing import capture_logs
 
+from areal.bus import client
+from areal.bus.codec import encode
 from areal.bus.jetstream import PullInbox
 from schemas import Sample
 from schemas import subjects as S
+from tests.factories import make_sample
 from tests.integration.test_bus import make_bus, wait_for
-from tests.unit.schemas.test_messages import make_sample
 
 pytestmark = pytest.mark.integration
 
 
 def sample(i: int) -> Sample:
-    return Sample(**{**make_sample().model_dump(), "sample_idx": 0, "task_id": f"t{i}"})
+    return make_sample(sample_idx=0, task_id=f"t{i}")
 
 
 async def test_inflight_bound_holds_while_messages_trickle_in(nats_url, run_id):
@@ -123,6 +125,31 @@ async def test_stop_hands_back_delivered_messages_at_once(nats_url, run_id):
     await b.close()
 
 
+async def test_byte_capped_pull_requests_end_and_are_renewed(nats_url, run_id, monkeypatch):
+    """A request that reaches its byte cap ends with a 409 carrying what it did not deliver;
+    the loop asks again at once (expiry is far off, so a miscount would stall the test)."""
+    monkeypatch.setattr(client, "PULL_MAX_BYTES", 3 * len(encode(sample(0))))
+    bus = await make_bus(nats_url, run_id)
+    for i in range(20):
+        await bus.publish(S.TRAJECTORIES, sample(i))
+    seen, stop = [], asyncio.Event()
+
+    async def handler(s, lease):
+        seen.append(s.task_id)
+        await lease.ack()
+
+    with capture_logs() as logs:
+        consumer = asyncio.create_task(
+            bus.consume(S.TRAJECTORIES, Sample, handler, max_inflight=20, stop=stop, expires_s=60)
+        )
+        await wait_for(lambda: len(seen) == 20, timeout=10)
+        stop.set()
+        await consumer
+    assert sorted(seen) == sorted(f"t{i}" for i in range(20))
+    assert not [e for e in logs if e["event"] in ("pull_requests_lost", "pull_status")]
+    await bus.close()
+
+
 def _status(code: str, pending: int | None) -> Msg:
     headers = {"Status": code, "Description": "Request Timeout"}
     if pending is not None:
@@ -132,7 +159,7 @@ def _status(code: str, pending: int | None) -> Msg:
 
 async def test_status_messages_release_what_their_request_did_not_deliver(nats_url, run_id):
     bus = await make_bus(nats_url, run_id)
-    pull = PullInbox(bus.nc, "S", "c", batch_cap=8, expires_s=5.0)
+    pull = PullInbox(bus.nc, "S", "c", batch_cap=8, max_bytes=1 << 20, expires_s=5.0)
     await pull.top_up(max_inflight=8)  # asks for 8 (no consumer behind it: nothing arrives)
     assert pull.outstanding == 8
     await pull.top_up(max_inflight=8)

@@ -13,7 +13,7 @@ from areal.bus.tap import TapClient, discover_run
 from areal.cli import main
 from schemas import MetricRecord
 from schemas import subjects as S
-from tests.unit.schemas.test_messages import make_sample
+from tests.factories import make_sample
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ from areal.bus.tap import TapMessage
 from areal.monitor.format import decode_for, get_field, json_line, one_line, select, to_record
 from areal.monitor.tap import Tap, load_detokenizer
 from schemas import DeadLetter, Event, MetricRecord, ScoredSample, Task, WeightAnnouncement
-from tests.unit.schemas.test_messages import make_sample
+from tests.factories import make_sample
 
 
 def test_sample_arrays_are_summarised_not_dumped():

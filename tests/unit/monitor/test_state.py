@@ -6,7 +6,7 @@ import pytest
 
 from areal.monitor.state import LIVE_S, RunState
 from schemas import DeadLetter, Event, MetricRecord
-from tests.unit.schemas.test_messages import make_sample
+from tests.factories import make_sample
 
 
 def step(n: int, wall_s: float, **kw) -> MetricRecord:

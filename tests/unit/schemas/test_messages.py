@@ -13,23 +13,7 @@ from schemas import (
     Task,
     WeightAnnouncement,
 )
-
-
-def make_sample(n: int = 5, **kw) -> Sample:
-    return Sample(
-        task_id="run-t3",
-        task_seq=3,
-        sample_idx=1,
-        group_size=4,
-        prompt_ids=pack([5, 6, 7], "int32"),
-        output_ids=pack(list(range(n)), "int32"),
-        behav_logp=pack(np.linspace(-2, -0.1, n), "float32"),
-        versions=pack([2] * n, "int32"),
-        output_text="42",
-        answer="42",
-        worker_id="w",
-        **kw,
-    )
+from tests.factories import make_sample
 
 
 def test_packed_array_roundtrip_stdlib_and_numpy():

@@ -7,24 +7,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from areal.bus.codec import pack
 from areal.services.reward import RewardService
 from schemas import Sample
+from tests.factories import make_sample
 
 FN = "tests.unit.services.scorers:picky"
 
 
 def sample(i: int, text: str, answer: str = "7") -> Sample:
-    z = pack([0], "int32")
-    return Sample(
+    return make_sample(
+        n=1,
         task_id=f"t{i}",
         task_seq=i,
         sample_idx=0,
         group_size=1,
-        prompt_ids=z,
-        output_ids=z,
-        behav_logp=pack([0.0], "float32"),
-        versions=z,
         output_text=text,
         answer=answer,
     )
