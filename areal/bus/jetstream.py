@@ -45,7 +45,8 @@ REQUEST_GRACE_S = 2.0  # after a request's expiry, how long to wait for its 408 
 
 
 class PublishAcks:
-    """Futures for JetStream publish acks, resolved from one wildcard reply subscription."""
+    """Futures for JetStream publish acks, resolved from one wildcard reply subscription (closed
+    with the connection)."""
 
     def __init__(self, nc: Client) -> None:
         self.nc = nc
@@ -95,11 +96,6 @@ class PublishAcks:
             raise nats.js.errors.APIError.from_error(ack["error"])
         return ack.get("seq", 0)
 
-    async def close(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-
 
 def _expire(fut: asyncio.Future) -> None:
     if not fut.done():
@@ -145,6 +141,7 @@ class PullInbox:
 
     async def top_up(self, max_inflight: int) -> None:
         """Ask for more messages once at least half of what there is room for is not asked."""
+        self.wake.clear()  # what settles or arrives from here on wakes the next `wait`
         if self.outstanding and time.monotonic() > self.last_expiry + REQUEST_GRACE_S:
             log.warning("pull_requests_lost", subject=self.api_subject, assumed=self.outstanding)
             self.outstanding = 0
@@ -159,9 +156,8 @@ class PullInbox:
 
     async def wait(self, timeout_s: float) -> None:
         """Until a delivery, a settled lease or the timeout (no task per wait)."""
-        if self.buf:
+        if self.buf or self.wake.is_set():
             return
-        self.wake.clear()
         handle = asyncio.get_running_loop().call_later(timeout_s, self.wake.set)
         try:
             await self.wake.wait()
