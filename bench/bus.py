@@ -59,6 +59,7 @@ from _common import (  # noqa: E402
 from areal.bus.client import Bus  # noqa: E402
 from areal.bus.codec import decode, encode, pack  # noqa: E402
 from areal.bus.embedded import EmbeddedNats  # noqa: E402
+from areal.bus.weights import THREAD_NAME as WEIGHTS_THREAD_NAME  # noqa: E402
 from schemas import Sample  # noqa: E402
 from schemas import subjects as S  # noqa: E402
 
@@ -324,19 +325,23 @@ def _owner(file: str) -> str | None:
     return None  # stdlib / third-party: billed to whoever called it
 
 
+WEIGHTS_THREAD = f": {WEIGHTS_THREAD_NAME}"  # py-spy's thread label ends with its name
 # `_write_atomic` writes a file-transport weights file in a worker thread (no `put_weights` frame)
 WEIGHTS_FUNCS = ("get_weights", "put_weights", "_write_atomic")
 
 
-def classify(frames: list[str]) -> str:
+def classify(frames: list[str], thread: str = "") -> str:
     """'weights' | 'codec' | 'bus' | 'other' for one py-spy stack (outermost first).
 
-    Weights transfer is any stack through `get_weights`/`put_weights` (or the file write of
-    the latter, in its worker thread) or the object store.
+    Weights transfer is any stack of the object-store weights thread (`areal.bus.weights`), or
+    through `get_weights`/`put_weights` (or the file write of the latter, in its worker thread)
+    or the object store.
     Otherwise the innermost frame that is codec, bus or project code decides: a handler's own
     code (e.g. the trainer filing a sample into its group) runs *under* `Bus.consume` but is
     application work, while asyncio or socket frames under a bus call are bus work."""
     files = [_file(f) for f in frames]
+    if thread.endswith(WEIGHTS_THREAD):  # the object-store weights connection's own thread
+        return "weights"
     if any(
         f.endswith("/areal/bus/client.py") and fr.startswith(WEIGHTS_FUNCS)
         for f, fr in zip(files, frames, strict=True)
@@ -368,7 +373,7 @@ def parse_pyspy_raw(path: Path) -> dict:
         idle = not frames or any(leaf.endswith(x) for x in IDLE_LEAVES)
         if not idle:
             nonidle += n
-        c = classify(frames)
+        c = classify(frames, thread)
         cats[c] += n
         if c != "other":
             # innermost frame inside bus/codec code: where the time goes
@@ -795,8 +800,8 @@ def main() -> int:
             f"`*_started` log line to its exit; median over runs. codec = stacks in "
             f"`areal/bus/codec.py`, msgpack, `schemas/`, pydantic (incl. building `Sample`s); bus "
             f"msg = other `areal/bus/` + `nats/` stacks (publish, pull, ack, heartbeats, KV); "
-            f"weights I/O = `Bus.get_weights`/`put_weights` incl. object store, file write and "
-            f"sha256 "
+            f"weights I/O = `Bus.get_weights`/`put_weights` incl. the object-store weights "
+            f"connection's thread, the file write and sha256 "
             f"(bus code too, but bulk transfer, reported apart).\n\n{prof_table}\n\n"
             f"Top bus/codec stacks, outermost > innermost bus/codec frame (share of that worker's wall, "
             f"all runs):\n\n"

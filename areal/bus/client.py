@@ -33,6 +33,7 @@ from areal.bus.connection import connect
 from areal.bus.embedded import MAX_PAYLOAD_BYTES
 from areal.bus.jetstream import PublishAcks, PullInbox
 from areal.bus.streams import BusOptions, declare_run
+from areal.bus.weights import WeightsChannel
 from schemas import DeadLetter, Event, Message, MetricRecord, WeightAnnouncement
 from schemas import subjects as S
 from schemas.subjects import RunNames
@@ -96,9 +97,16 @@ Handler = Callable[[M, Lease], Awaitable[None]]
 
 class Bus:
     def __init__(
-        self, nc: Client, run_id: str, role: str, worker_id: str, opts: BusOptions | None = None
+        self,
+        nc: Client,
+        run_id: str,
+        role: str,
+        worker_id: str,
+        opts: BusOptions | None = None,
+        url: str | None = None,
     ) -> None:
         self.nc, self.js = nc, nc.jetstream()
+        self.url = url or nc.connected_url.geturl()
         self.names = RunNames(run_id)
         self.role, self.worker_id = role, worker_id
         self.opts = opts or BusOptions()
@@ -107,7 +115,8 @@ class Bus:
         self._heartbeat_task: asyncio.Task | None = None
         self._acks = PublishAcks(nc)
         self._kv = None
-        self._obs = None
+        self._weights: WeightsChannel | None = None  # started on first use
+        self._weights_lock = asyncio.Lock()
         self.dlq_count = 0
 
     @classmethod
@@ -121,7 +130,7 @@ class Bus:
         declare: bool = True,
     ) -> Bus:
         nc = await connect(url, f"areal-{run_id}-{worker_id}")
-        bus = cls(nc, run_id, role, worker_id, opts)
+        bus = cls(nc, run_id, role, worker_id, opts, url=url)
         await bus._acks.start()
         if declare:
             await bus.declare()
@@ -137,7 +146,6 @@ class Bus:
                 "a run id is reused with different settings: choose a new run id"
             ) from e
         self._kv = await self.js.key_value(self.names.state_bucket)
-        self._obs = await self.js.object_store(self.names.weights_bucket)
 
     # ---------------------------------------------------------------- publishing
     async def publish(
@@ -307,7 +315,7 @@ class Bus:
         name = f"v{version}"
         sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         if file_dir is None:
-            await self._obs.put(name, data)
+            await (await self._weights_channel()).put(name, data)
             uri = f"nats-obj://{self.names.weights_bucket}/{name}"
         else:
             path = Path(file_dir).resolve() / f"{name}.safetensors"
@@ -321,7 +329,7 @@ class Bus:
         if old >= 0:
             with contextlib.suppress(Exception):
                 if file_dir is None:
-                    await self._obs.delete(f"v{old}")
+                    await (await self._weights_channel()).delete(f"v{old}")
                 else:
                     (Path(file_dir) / f"v{old}.safetensors").unlink(missing_ok=True)
         return ann
@@ -333,12 +341,10 @@ class Bus:
             data = await asyncio.to_thread(Path(path).read_bytes)
         elif ann.uri.startswith("nats-obj://"):
             bucket, name = ann.uri[len("nats-obj://") :].split("/", 1)
-            obs = (
-                self._obs
-                if bucket == self.names.weights_bucket
-                else await self.js.object_store(bucket)
-            )
-            data = (await obs.get(name)).data
+            if bucket == self.names.weights_bucket:
+                data = await (await self._weights_channel()).get(name)
+            else:  # another run's weights (e.g. to start from them): the library's reader
+                data = (await (await self.js.object_store(bucket)).get(name)).data
         else:
             raise ValueError(f"unsupported weights uri {ann.uri!r}")
         sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
@@ -348,6 +354,19 @@ class Bus:
                 f"{ann.sha256[:12]} or {len(data)} != {ann.nbytes} bytes"
             )
         return data
+
+    async def _weights_channel(self) -> WeightsChannel:
+        """The run's object-store weights on their own connection and thread (`weights.py`)."""
+        async with self._weights_lock:
+            if self._weights is None:
+                channel = WeightsChannel(
+                    self.url,
+                    f"areal-{self.names.run_id}-{self.worker_id}-weights",
+                    self.names.weights_bucket,
+                )
+                await channel.start()
+                self._weights = channel
+        return self._weights
 
     async def subscribe_weights(self, cb: Callable[[WeightAnnouncement], Awaitable[None]]) -> Any:
         """Deliver the latest announcement now and every later one (ordered consumer)."""
@@ -387,5 +406,8 @@ class Bus:
             for lease in list(self._leases):
                 with contextlib.suppress(Exception):
                     await lease.nak()
+        if self._weights is not None:
+            with contextlib.suppress(Exception):
+                await self._weights.close()
         with contextlib.suppress(Exception):
             await self.nc.drain()

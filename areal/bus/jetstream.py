@@ -9,8 +9,8 @@ that is more Python than the codec; these two classes do the same protocol with 
 has room for; the server streams messages to one inbox subscription as they arrive, and the
 loop takes them in batches. `outstanding` is how many messages the open requests may still
 deliver. Each delivered message takes one off; a request's end (status 408 "Request Timeout"
-at its expiry, or 409, e.g. "Message Size Exceeds MaxBytes" once its byte cap is reached, or
-"Exceeded MaxWaiting") carries `Nats-Pending-Messages`, the part it did not deliver, which is
+at its expiry, or 409: "Batch Completed", "Message Size Exceeds MaxBytes" once its byte cap is
+reached, or an error such as "Exceeded MaxWaiting") carries `Nats-Pending-Messages`, the part it did not deliver, which is
 taken off too. The byte cap keeps what one request may deliver well under the server's and the
 client's pending limits (64 / 128 MiB), where large samples would otherwise get the worker cut
 off as a slow consumer. Invariant: held leases + outstanding <= max_inflight,
@@ -41,6 +41,8 @@ log = structlog.get_logger()
 
 STATUS = "Status"
 PENDING_MESSAGES = "Nats-Pending-Messages"
+# A request that ends because it delivered its batch or reached its byte cap: nothing wrong.
+ROUTINE_409 = ("Batch Completed", "Message Size Exceeds MaxBytes")
 REQUEST_GRACE_S = 2.0  # after a request's expiry, how long to wait for its 408 before resetting
 
 
@@ -185,7 +187,7 @@ class PullInbox:
             self.outstanding = max(0, self.outstanding - int(pending))
         elif status == "503":  # no JetStream behind the API subject: nothing was registered
             self.outstanding = 0
-        if status not in ("100", "408") and not (status == "409" and "MaxBytes" in desc):
+        if status not in ("100", "408") and not (status == "409" and desc in ROUTINE_409):
             log.warning(
                 "pull_status",
                 subject=self.api_subject,

@@ -150,8 +150,8 @@ async def test_byte_capped_pull_requests_end_and_are_renewed(nats_url, run_id, m
     await bus.close()
 
 
-def _status(code: str, pending: int | None) -> Msg:
-    headers = {"Status": code, "Description": "Request Timeout"}
+def _status(code: str, pending: int | None, desc: str = "Request Timeout") -> Msg:
+    headers = {"Status": code, "Description": desc}
     if pending is not None:
         headers["Nats-Pending-Messages"] = str(pending)
     return Msg(_client=None, subject="_INBOX.x", data=b"", headers=headers)
@@ -170,6 +170,14 @@ async def test_status_messages_release_what_their_request_did_not_deliver(nats_u
     pull.buf.append(_status("100", None))  # an idle heartbeat changes nothing
     pull.take()
     assert pull.outstanding == 2
+    with capture_logs() as logs:  # routine ends of a request are quiet, errors are not
+        pull.buf.extend(
+            [_status("409", 0, "Batch Completed"), _status("409", 0, "Exceeded MaxWaiting")]
+        )
+        pull.take()
+    assert [e["description"] for e in logs if e["event"] == "pull_status"] == [
+        "Exceeded MaxWaiting"
+    ]
     pull.last_expiry = time.monotonic() - 10  # its 408 was lost (e.g. a reconnect)
     await pull.top_up(max_inflight=8)
     assert pull.outstanding == 8  # reset, then asked again for all there is room for
