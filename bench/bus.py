@@ -378,6 +378,7 @@ def parse_pyspy_raw(path: Path) -> dict:
         if c != "other":
             # innermost frame inside bus/codec code: where the time goes
             inner = [f for f in frames if any(m in _file(f) for m in BUS_MARKERS + CODEC_MARKERS)]
+            inner = inner or [f"{thread.rpartition(': ')[2]} thread"]  # e.g. its asyncio frames
             outer, innermost = inner[0].split(" (")[0], inner[-1].split(" (")[0]
             hot[(c, outer if outer == innermost else f"{outer} > {innermost}")] += n
     # py-spy finds no Python frame on the main thread for some ticks (~15-20% here, also in
