@@ -212,12 +212,12 @@ class Bus:
         """Pull from the stage's durable consumer and run `handler(message, lease)` for each.
 
         At most `max_inflight` leases of this consumer are unsettled at once: pull requests stay
-        open on the server for only as many messages as there is room for (`areal.bus.jetstream`). A
-        handler that raises gets its message nak'ed (redelivered with a delay) until
-        `max_deliver`, then dead-lettered with the error. `inline=True` awaits each handler in the
-        loop instead of starting a task per message: for handlers that only file the message away
-        (the trainer's), it saves a task per message. On return, messages delivered but not
-        handled yet are nak'ed so another worker takes them at once.
+        open on the server for only as many messages as there is room for
+        (`areal.bus.jetstream`). A handler that raises gets its message nak'ed (redelivered with
+        a delay) until `max_deliver`, then dead-lettered with the error. `inline=True` awaits
+        each handler in the loop instead of starting a task per message: for handlers that only
+        file the message away (the trainer's), it saves a task per message. On return, messages
+        delivered but not handled yet are nak'ed so another worker takes them at once.
         """
         pull = PullInbox(
             self.nc,

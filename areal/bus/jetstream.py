@@ -8,15 +8,15 @@ that is more Python than the codec; these two classes do the same protocol with 
 `PullInbox`: the consume loop keeps pull requests open on the server for as many messages as it
 has room for; the server streams messages to one inbox subscription as they arrive, and the
 loop takes them in batches. `outstanding` is how many messages the open requests may still
-deliver. Each delivered message takes one off; a request's end (status 408 "Request Timeout"
-at its expiry, or 409: "Batch Completed", "Message Size Exceeds MaxBytes" once its byte cap is
-reached, or an error such as "Exceeded MaxWaiting") carries `Nats-Pending-Messages`, the part it did not deliver, which is
-taken off too. The byte cap keeps what one request may deliver well under the server's and the
-client's pending limits (64 / 128 MiB), where large samples would otherwise get the worker cut
-off as a slow consumer. Invariant: held leases + outstanding <= max_inflight,
-so the server never sends more than the loop has room for. Should a status be lost (a
-reconnect drops the server's pending requests), the count is reset once every request has
-passed its expiry plus a grace period.
+deliver. Each delivered message takes one off. A request's end carries `Nats-Pending-Messages`,
+the part it did not deliver, which is taken off too: status 408 "Request Timeout" at its
+expiry, or 409 "Batch Completed", "Message Size Exceeds MaxBytes" (its byte cap reached) or an
+error such as "Exceeded MaxWaiting". The byte cap keeps what one request may deliver well under
+the server's and the client's pending limits (64 / 128 MiB), where large samples would
+otherwise get the worker cut off as a slow consumer. Invariant: held leases + outstanding <=
+max_inflight, so the server never sends more than the loop has room for. Should a status be
+lost (a reconnect drops the server's pending requests), the count is reset once every request
+has passed its expiry plus a grace period.
 
 `PublishAcks`: a JetStream publish is a core publish with a reply subject; the stream answers
 there with its ack (`{"stream", "seq"}` or `{"error"}`). Replies come to one wildcard inbox
@@ -40,6 +40,7 @@ from nats.aio.msg import Msg
 log = structlog.get_logger()
 
 STATUS = "Status"
+DESCRIPTION = "Description"
 PENDING_MESSAGES = "Nats-Pending-Messages"
 # A request that ends because it delivered its batch or reached its byte cap: nothing wrong.
 ROUTINE_409 = ("Batch Completed", "Message Size Exceeds MaxBytes")
@@ -87,16 +88,21 @@ class PublishAcks:
             self._waiting.pop(token, None)
         if msg is None:
             raise nats.errors.TimeoutError
-        status = msg.headers.get(STATUS) if msg.headers else None
+        status = _status(msg)
         if status == "503":
             raise nats.errors.NoRespondersError
         if status is not None:
-            desc = msg.headers.get("Description", "")
+            desc = msg.headers.get(DESCRIPTION, "")
             raise nats.js.errors.APIError(code=int(status), description=desc)
         ack = json.loads(msg.data)
         if "error" in ack:
             raise nats.js.errors.APIError.from_error(ack["error"])
         return ack.get("seq", 0)
+
+
+def _status(msg: Msg) -> str | None:
+    """A status message's code (e.g. "408"), or None for a message with a payload to handle."""
+    return msg.headers.get(STATUS) if msg.headers else None
 
 
 def _expire(fut: asyncio.Future) -> None:
@@ -172,7 +178,7 @@ class PullInbox:
         out: list[Msg] = []
         while self.buf:
             msg = self.buf.popleft()
-            status = msg.headers.get(STATUS) if msg.headers else None
+            status = _status(msg)
             if status is None:
                 self.outstanding = max(0, self.outstanding - 1)
                 out.append(msg)
@@ -181,7 +187,7 @@ class PullInbox:
         return out
 
     def _on_status(self, status: str, msg: Msg) -> None:
-        desc = msg.headers.get("Description", "")
+        desc = msg.headers.get(DESCRIPTION, "")
         pending = msg.headers.get(PENDING_MESSAGES)
         if pending is not None and pending.isdigit():
             self.outstanding = max(0, self.outstanding - int(pending))

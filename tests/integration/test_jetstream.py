@@ -31,6 +31,21 @@ def sample(i: int) -> Sample:
     return make_sample(sample_idx=0, task_id=f"t{i}")
 
 
+def acking_handler(seen: list[str]):
+    """A handler that records each sample's task id and acks it."""
+
+    async def handler(s, lease):
+        seen.append(s.task_id)
+        await lease.ack()
+
+    return handler
+
+
+def pull_trouble(logs: list[dict]) -> list[dict]:
+    """Log events of a pull request presumed lost or ended by an unexpected status."""
+    return [e for e in logs if e["event"] in ("pull_requests_lost", "pull_status")]
+
+
 async def test_inflight_bound_holds_while_messages_trickle_in(nats_url, run_id):
     bus = await make_bus(nats_url, run_id)
     held, peak, seen = [], 0, []
@@ -69,13 +84,8 @@ async def test_inflight_bound_holds_while_messages_trickle_in(nats_url, run_id):
 
 async def test_expired_pull_requests_are_renewed(nats_url, run_id):
     bus = await make_bus(nats_url, run_id)
-    seen = []
-    stop = asyncio.Event()
-
-    async def handler(s, lease):
-        seen.append(s.task_id)
-        await lease.ack()
-
+    seen, stop = [], asyncio.Event()
+    handler = acking_handler(seen)
     with capture_logs() as logs:
         consumer = asyncio.create_task(
             bus.consume(S.TRAJECTORIES, Sample, handler, max_inflight=4, stop=stop, expires_s=0.2)
@@ -87,7 +97,7 @@ async def test_expired_pull_requests_are_renewed(nats_url, run_id):
         stop.set()
         await consumer
     # every expired request was accounted by its 408, none had to be presumed lost
-    assert not [e for e in logs if e["event"] in ("pull_requests_lost", "pull_status")]
+    assert not pull_trouble(logs)
     await bus.close()
 
 
@@ -109,13 +119,8 @@ async def test_stop_hands_back_delivered_messages_at_once(nats_url, run_id):
     await a.consume(S.TRAJECTORIES, Sample, stopping, max_inflight=6, stop=stop, inline=True)
     assert first == ["t0"]
     b = await make_bus(nats_url, run_id, role="other", ack_wait_s=60)
-    rest = []
-
-    async def take(s, lease):
-        rest.append(s.task_id)
-        await lease.ack()
-
-    stop_b = asyncio.Event()
+    rest, stop_b = [], asyncio.Event()
+    take = acking_handler(rest)
     cb = asyncio.create_task(b.consume(S.TRAJECTORIES, Sample, take, max_inflight=6, stop=stop_b))
     await wait_for(lambda: len(first) + len(rest) >= 6, timeout=10)  # far under ack_wait
     stop_b.set()
@@ -133,11 +138,7 @@ async def test_byte_capped_pull_requests_end_and_are_renewed(nats_url, run_id, m
     for i in range(20):
         await bus.publish(S.TRAJECTORIES, sample(i))
     seen, stop = [], asyncio.Event()
-
-    async def handler(s, lease):
-        seen.append(s.task_id)
-        await lease.ack()
-
+    handler = acking_handler(seen)
     with capture_logs() as logs:
         consumer = asyncio.create_task(
             bus.consume(S.TRAJECTORIES, Sample, handler, max_inflight=20, stop=stop, expires_s=60)
@@ -146,7 +147,7 @@ async def test_byte_capped_pull_requests_end_and_are_renewed(nats_url, run_id, m
         stop.set()
         await consumer
     assert sorted(seen) == sorted(f"t{i}" for i in range(20))
-    assert not [e for e in logs if e["event"] in ("pull_requests_lost", "pull_status")]
+    assert not pull_trouble(logs)
     await bus.close()
 
 
