@@ -38,7 +38,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    setup_logging(role="launcher")
+    setup_logging(level=settings.log_level, log_format=settings.log_format, role="launcher")
     from areal.launch.local import Launcher
 
     return Launcher(

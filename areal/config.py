@@ -13,11 +13,21 @@ import os
 import socket
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from areal.logging import LogFormat, LogLevel
 
 _YAML_DATA: contextvars.ContextVar[dict | None] = contextvars.ContextVar("areal_yaml", default=None)
 
@@ -41,6 +51,32 @@ class NatsSettings(_Part):
         5, ge=1, description="deliveries before a failing message is dead-lettered"
     )
     memory_storage: bool = Field(False, description="keep streams in memory (faster, not durable)")
+    duplicate_window_s: float = Field(
+        600.0,
+        gt=0,
+        description="JetStream de-duplication window (s): a publish retried with the same "
+        "Nats-Msg-Id within it is stored once",
+    )
+    history_max_age_s: float = Field(
+        7 * 24 * 3600.0,
+        gt=0,
+        description="how long the metrics, events and dlq streams keep a message (s)",
+    )
+    history_max_bytes: int = Field(
+        512 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="most bytes each of the metrics, events and dlq streams keeps (bytes); "
+        "the oldest messages go first",
+    )
+    weights_keep: int = Field(
+        4, ge=1, description="newest weight versions kept (object store or weights dir)"
+    )
+    publish_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="wait for a JetStream publish ack before retrying with the same "
+        "Nats-Msg-Id (s)",
+    )
 
 
 class WeightsSettings(_Part):
@@ -128,7 +164,12 @@ class RewardSettings(_Part):
         None,
         description="arithmetic | running_sum | math | code | module:function; None = task default",
     )
-    timeout_s: float = Field(10.0, gt=0, description="per-sample scoring timeout (s)")
+    timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="per-sample scoring timeout (s): a sample scored past it gets reward 0, "
+        "the rest of its batch is unaffected",
+    )
     pool_workers: int = Field(1, ge=1, description="scoring processes per reward worker")
     batch_size: int = Field(
         32, ge=1, description="samples scored per pool call (those waiting are batched)"
@@ -153,6 +194,16 @@ class TrainSettings(_Part):
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads for the trainer")
 
 
+def _upper(v: object) -> object:
+    return v.upper() if isinstance(v, str) else v
+
+
+# `AREAL_LOG_LEVEL=debug` works as well as `DEBUG`
+LogLevelField = Annotated[LogLevel, BeforeValidator(_upper)]
+LOG_LEVEL_HELP = "least severe log events shown: DEBUG | INFO | WARNING | ERROR (any case)"
+LOG_FORMAT_HELP = "console: for humans (colours on a TTY); json: one object per line (containers)"
+
+
 class RunSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="AREAL_", env_nested_delimiter="__", extra="forbid", validate_default=True
@@ -164,6 +215,13 @@ class RunSettings(BaseSettings):
     replicas: dict[Literal["rollout", "reward"], int] = Field(
         default_factory=lambda: {"rollout": 1, "reward": 1},
         description="worker processes per role started by `areal run`",
+    )
+    log_level: LogLevelField = Field("INFO", description=LOG_LEVEL_HELP)
+    log_format: LogFormat = Field("console", description=LOG_FORMAT_HELP)
+    cache_dir: str | None = Field(
+        None,
+        description="dir of built models (the warm-started presets, one subdir each); "
+        "None = ~/.cache/areal-bus/models",
     )
     nats: NatsSettings = Field(default_factory=NatsSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
@@ -277,3 +335,49 @@ def load_settings(
 
 def new_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()[:12]}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+class MonitorSettings(BaseSettings):
+    """What `areal tap | top | metrics-exporter` read from the environment: they attach to a
+    running run and have no YAML, so only the fields they need, each named as in `RunSettings`
+    (`AREAL_RUN_ID`, `AREAL_NATS__URL`, `AREAL_LOG_LEVEL`, `AREAL_LOG_FORMAT`). Unrelated
+    `AREAL_*` variables are ignored. Command-line flags win over these (the CLI applies them)."""
+
+    model_config = SettingsConfigDict(env_prefix="AREAL_", extra="ignore", validate_by_name=True)
+
+    run_id: str | None = Field(
+        None, description="run to attach to; None = the only run on the server"
+    )
+    nats_url: str = Field(
+        DEFAULT_NATS_URL,
+        # NATS_URL is the nats ecosystem's standard variable (nats CLI, client libraries): an
+        # alias here, below AREAL_NATS__URL, so `export NATS_URL=...` serves both tools.
+        validation_alias=AliasChoices("AREAL_NATS__URL", "NATS_URL"),
+        description="NATS server of the run (env AREAL_NATS__URL, else NATS_URL)",
+    )
+    log_level: LogLevelField = Field(
+        "ERROR", description=LOG_LEVEL_HELP + "; ERROR here so that stdout stays data"
+    )
+    log_format: LogFormat = Field("console", description=LOG_FORMAT_HELP)
+
+
+def load_monitor_settings() -> MonitorSettings:
+    """`MonitorSettings` from the environment; a bad value raises `ConfigError` naming it."""
+    try:
+        return MonitorSettings()
+    except ValidationError as e:
+        raise ConfigError(
+            "\n".join(
+                f"config error: {_monitor_env_name(err['loc'])}: {err['msg']} "
+                f"(got {err.get('input')!r}); fix or unset that environment variable"
+                for err in e.errors()
+            )
+        ) from None
+
+
+def _monitor_env_name(loc: tuple[int | str, ...]) -> str:
+    name = str(loc[0]) if loc else ""
+    return name.upper() if name.upper().startswith(("AREAL_", "NATS_")) else f"AREAL_{name.upper()}"

@@ -1,30 +1,41 @@
-"""structlog, configured once per process: console for humans, JSON in containers/CI logs."""
+"""structlog, configured once per process: console for humans, JSON in containers/CI logs.
+
+Invariants:
+- The first `setup_logging` call of a process fixes the renderer and the level; later calls only
+  bind more context (`role`, `worker_id`, ...).
+- The level and format come from the caller (the settings' `log_level` / `log_format`, i.e.
+  `AREAL_LOG_LEVEL` / `AREAL_LOG_FORMAT`); this module reads no environment variable. It only
+  sets defaults for third-party libraries' variables (HF progress bars, tokenizers threads).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+from typing import Literal
 
 import structlog
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+LogFormat = Literal["console", "json"]
 
 _configured = False
 
 
-def setup_logging(
-    json_logs: bool | None = None, level: str | None = None, **context: object
-) -> None:
+def setup_logging(*, level: LogLevel, log_format: LogFormat, **context: object) -> None:
+    """Configure structlog (first call only) and bind `context` to every later event.
+
+    `level`: events below it are dropped; `log_format`: "console" (colours on a TTY) or "json"
+    (one object per line)."""
     global _configured
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if json_logs is None:
-        json_logs = os.environ.get("AREAL_LOG_FORMAT", "console") == "json"
-    lvl = getattr(logging, (level or os.environ.get("AREAL_LOG_LEVEL", "INFO")).upper())
     if not _configured:
         renderer = (
             structlog.processors.JSONRenderer()
-            if json_logs
+            if log_format == "json"
             else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
         )
         structlog.configure(
@@ -35,7 +46,7 @@ def setup_logging(
                 structlog.processors.format_exc_info,
                 renderer,
             ],
-            wrapper_class=structlog.make_filtering_bound_logger(lvl),
+            wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level)),
             logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
             cache_logger_on_first_use=True,
         )

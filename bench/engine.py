@@ -6,10 +6,9 @@
     [4, 900]). `TorchInferenceEngine.generate` vs `transformers` `model.generate` (sampling,
     T = 1, top_p = 1, top_k off, same weights, same left-padded prompts). HF has one
     `max_new_tokens` per call, so it gets the batch max; both are credited only with the useful
-    tokens (each request's own length). Our engine has no per-request `max_new_tokens` either:
-    the bench emulates it with the engine's `should_abort` hook (a row is aborted at the token
-    boundary after its own length is reached; `poll_weights`, called once per token boundary,
-    counts the steps). A uniform batch (every request the same length) is the control.
+    tokens (each request's own length). Our engine gets each request's length as
+    `GenRequest.max_new_tokens` (the row leaves the batch as soon as it has its tokens). A
+    uniform batch (every request the same length) is the control.
 (b) Training: `TorchTrainEngine.train_step` on 64 long-tailed sequences (same length law,
     prompt 16) with `packing="ffd"` (dynamic micro-batches under `max_tokens_per_mb`,
     padding-free) vs `packing="fixed"` (consecutive chunks of `fixed_mb_size`, right-padded);
@@ -59,28 +58,21 @@ def dist(lengths: list[int]) -> str:
 
 # ------------------------------------------------------------------------------- inference
 def run_ours(engine, prompts: list[list[int]], targets: list[int]) -> tuple[float, int]:
-    """(seconds, useful tokens) of one `generate` over the batch, per-request lengths emulated."""
+    """(seconds, useful tokens) of one `generate` over the batch, per-request lengths native."""
     from areal.engines.base import GenRequest, SamplingParams
 
     assert engine.max_batch_size >= len(prompts)  # every row is prefilled at the first boundary
-    want = {f"r{i}": t for i, t in enumerate(targets)}
-    step = [0]
-
-    def poll():  # called once per token boundary: boundary k sees k-1 tokens per active row
-        step[0] += 1
-        return None
-
-    def should_abort(key: str) -> bool:
-        return step[0] - 1 >= want[key]
-
-    reqs = [GenRequest(key=f"r{i}", prompt_ids=p) for i, p in enumerate(prompts)]
+    reqs = [
+        GenRequest(key=f"r{i}", prompt_ids=p, max_new_tokens=t)
+        for i, (p, t) in enumerate(zip(prompts, targets, strict=True))
+    ]
     params = SamplingParams(max_new_tokens=max(targets), temperature=1.0, top_p=1.0)
     t0 = time.perf_counter()
-    outs = engine.generate(reqs, params, poll_weights=poll, should_abort=should_abort)
+    outs = engine.generate(reqs, params=params)
     dt = time.perf_counter() - t0
     got = [len(o.output_ids) for o in outs]
     if got != list(targets):
-        raise RuntimeError(f"emulated per-request lengths off: {got[:8]} vs {targets[:8]}")
+        raise RuntimeError(f"per-request lengths off: {got[:8]} vs {targets[:8]}")
     return dt, sum(got)
 
 
@@ -113,13 +105,18 @@ def run_hf(model, prompts: list[list[int]], targets: list[int], pad_id: int) -> 
 def bench_inference(model_dir: Path, reps: int, rng: np.random.Generator, vocab: int) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from areal.engines.config import InferenceEngineConfig
     from areal.engines.torch_infer import TorchInferenceEngine
 
     prompts = [rng.integers(3, vocab, int(rng.integers(8, 25))).tolist() for _ in range(N_REQUESTS)]
     hi = CONTEXT - 25 - 100
     tailed = long_tailed_lengths(N_REQUESTS, rng, hi)
     uniform = [int(np.mean(tailed))] * N_REQUESTS
-    engine = TorchInferenceEngine(str(model_dir), max_batch_size=N_REQUESTS, seed=0)
+    engine = TorchInferenceEngine(
+        InferenceEngineConfig(
+            kind="torch", model_path=str(model_dir), max_batch_size=N_REQUESTS, seed=0
+        )
+    )
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     hf.eval()
     torch.manual_seed(0)
@@ -143,6 +140,7 @@ def bench_inference(model_dir: Path, reps: int, rng: np.random.Generator, vocab:
 # ------------------------------------------------------------------------------- training
 def bench_training(model_dir: Path, reps: int, rng: np.random.Generator, vocab: int) -> dict:
     from areal.engines.base import TrainSeq
+    from areal.engines.config import TrainEngineConfig
     from areal.engines.torch_train import TorchTrainEngine
 
     prompt_len = 16
@@ -162,11 +160,14 @@ def bench_training(model_dir: Path, reps: int, rng: np.random.Generator, vocab: 
     res = {"lengths": [prompt_len + n for n in outs], "cfg": (max_tokens_per_mb, fixed_mb_size)}
     engines = {
         p: TorchTrainEngine(
-            str(model_dir),
-            packing=p,
-            fixed_mb_size=fixed_mb_size,
-            n_minibatches=n_minibatches,
-            lr=1e-5,
+            TrainEngineConfig(
+                kind="torch",
+                model_path=str(model_dir),
+                packing=p,
+                fixed_mb_size=fixed_mb_size,
+                n_minibatches=n_minibatches,
+                lr=1e-5,
+            )
         )
         for p in ("ffd", "fixed")
     }
@@ -298,21 +299,13 @@ def main() -> int:
     text = (
         "## (a) Inference: continuous batching vs HF generate\n\n"
         "Useful tokens = each request's own length, for both engines (HF decodes every row to "
-        "the batch max). Ours: `TorchInferenceEngine.generate`, `max_batch_size` 64, per-request "
-        "lengths emulated through `should_abort` (see below).\n\n"
+        "the batch max). Ours: `TorchInferenceEngine.generate`, `max_batch_size` 64, each "
+        "request's length given as `GenRequest.max_new_tokens`.\n\n"
         + inf_table
-        + "\n\nPer-request lengths: `SamplingParams.max_new_tokens` is one value per "
-        "`generate` call, so the bench sets it to the batch max and ends each row through "
-        "`should_abort(key)` once `poll_weights` (called once per token boundary) has counted "
-        "the row's own length; all 64 rows are prefilled at the first boundary "
-        "(`max_batch_size` 64), so the count is exact (checked: every output has exactly its "
-        "target length). Cost of the emulation: each row runs one extra decode step (the abort "
-        "is seen at the next boundary, after the last token was fed) and `should_abort` is a "
-        "Python call per row per step. Engine change that would make this native: a "
-        "`max_new_tokens: int | None = None` field on `GenRequest`, and in "
-        "`TorchInferenceEngine._finish_reason` the bound "
-        "`row.req.max_new_tokens or params.max_new_tokens` instead of `params.max_new_tokens` "
-        "(finish reason `length`, the row leaves the batch before its last token is fed)."
+        + "\n\nPer-request lengths: each row finishes with reason `length` once it has its own "
+        "`max_new_tokens` and leaves the batch before its last token is fed (checked: every "
+        "output has exactly its target length); HF `generate` takes one `max_new_tokens` per "
+        "call, so it decodes every row to the batch max."
         + "\n\n## (b) Training: dynamic micro-batching vs fixed micro-batches\n\n"
         f"64 sequences (prompt 16 + output), lengths {dist(train['lengths'])}; "
         "`TorchTrainEngine.train_step` (n_minibatches 2, proximal log-prob recompute "

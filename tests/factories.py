@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from areal.bus.codec import pack
-from schemas import Sample
+from schemas import Sample, Task
 
 
 def make_sample(n: int = 5, **fields) -> Sample:
@@ -23,6 +23,23 @@ def make_sample(n: int = 5, **fields) -> Sample:
             "output_text": "42",
             "answer": "42",
             "worker_id": "w",
+            **fields,
+        }
+    )
+
+
+def make_task(**fields) -> Task:
+    """A `Task` (`t-good`, admitted at version 0, a group of 2); keyword arguments replace fields."""
+    return Task(
+        **{
+            "task_id": "t-good",
+            "seq": 0,
+            "dataset_index": 0,
+            "prompt": "1+1=",
+            "prompt_ids": pack([5, 6, 7], "int32"),
+            "answer": "2",
+            "group_size": 2,
+            "admitted_version": 0,
             **fields,
         }
     )

@@ -3,37 +3,54 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from typing import Any
 
+from areal.bus.client import Bus
+from areal.config import RunSettings
+from areal.config_views import ControllerView
+from areal.launch.worker import RoleSpec, resolve_model_path
 from areal.launch.worker import main as worker_main
-from areal.launch.worker import resolve_model_path
 
 
-async def build(settings, bus, worker_id):
+@dataclass(frozen=True)
+class ControllerParts:
+    view: ControllerView
+    source: Any  # areal.services.controller.TaskSource
+    tokenizer: Any  # areal.services.controller.Tokenizer
+
+
+def prepare(settings: RunSettings, worker_id: str) -> ControllerParts:
     from areal.data.tasks import make_task_source
     from areal.data.tokenizer import load_tokenizer
-    from areal.services.controller import Controller
 
-    d = settings.data
+    view = ControllerView.of(settings)
+    d = view.data
     file_kw = (
         {}
         if d.source.startswith("synthetic:")
         else {"prompt_field": d.prompt_field, "answer_field": d.answer_field}
     )
-    source = make_task_source(d.source, settings.seed, **file_kw, **d.task_kwargs)
-    ctrl = Controller(
-        bus,
-        source,
-        load_tokenizer(resolve_model_path(settings)),
-        batch_size=settings.algo.batch_size,
-        group_size=settings.algo.group_size,
-        max_staleness=settings.algo.max_staleness,
-        total_steps=settings.train.total_steps,
+    source = make_task_source(d.source, view.seed, **file_kw, **d.task_kwargs)
+    return ControllerParts(view, source, load_tokenizer(resolve_model_path(settings)))
+
+
+def build(parts: ControllerParts, bus: Bus):
+    from areal.core.admission import AdmissionPolicy
+    from areal.services.controller import Controller
+
+    a = parts.view.algo
+    policy = AdmissionPolicy(
+        batch_size=a.batch_size, max_staleness=a.max_staleness, total_steps=parts.view.total_steps
     )
-    return ctrl.run
+    return Controller(bus, parts.source, parts.tokenizer, policy=policy, group_size=a.group_size)
+
+
+SPEC = RoleSpec("controller", prepare, build)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return worker_main("controller", build, argv)
+    return worker_main(SPEC, argv)
 
 
 if __name__ == "__main__":

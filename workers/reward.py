@@ -4,24 +4,39 @@ from __future__ import annotations
 
 import sys
 
+from areal.bus.client import Bus
+from areal.config import RunSettings
+from areal.config_views import RewardView
+from areal.launch.worker import RoleSpec
 from areal.launch.worker import main as worker_main
 
 
-async def build(settings, bus, worker_id):
+def prepare(settings: RunSettings, worker_id: str) -> RewardView:
+    from areal.rewards.registry import get_reward_fn
+
+    view = RewardView.of(settings)
+    get_reward_fn(view.fn)  # a bad reward spec fails before connecting
+    return view
+
+
+def build(view: RewardView, bus: Bus):
     from areal.services.reward import RewardService
 
-    svc = RewardService(
+    r = view.reward
+    return RewardService(
         bus,
-        settings.reward_fn_name(),
-        timeout_s=settings.reward.timeout_s,
-        pool_workers=settings.reward.pool_workers,
-        batch_size=settings.reward.batch_size,
+        view.fn,
+        timeout_s=r.timeout_s,
+        pool_workers=r.pool_workers,
+        batch_size=r.batch_size,
     )
-    return svc.run
+
+
+SPEC = RoleSpec("reward", prepare, build)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return worker_main("reward", build, argv)
+    return worker_main(SPEC, argv)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,12 @@ Invariants:
   of the whole batch, so micro-batch losses add up to the batch mean.
 - Tokens outside the mask never influence the loss, its gradient or the stats, even if they hold
   inf or NaN. An all-masked input gives loss 0 that is still connected to ``logp``'s graph.
+- ``approx_kl`` is Schulman's k3 estimator of KL(old || current) per kept token:
+  ``r = exp(logp - old_logp)``, ``k3 = (r - 1) - log r`` (unbiased for samples drawn from the old
+  policy, and >= 0 for every token), with ``old_logp`` the PPO reference: ``prox_logp`` when
+  decoupled, ``behav_logp`` otherwise.
+- ``entropy`` is the mean over loss-mask tokens of the current policy's per-token entropy, which
+  the engine computes (no grad) from the same temperature-scaled distribution as ``logp``.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ __all__ = [
     "PPOLossConfig",
     "PPOLossOutput",
     "loglinear_prox_logp",
+    "loss_stat_sums",
     "ppo_loss",
     "reduce_loss_stats",
+    "stats_from_sums",
 ]
 
 
@@ -49,10 +57,11 @@ class PPOLossOutput:
     n_tokens: int  # tokens in mask
     n_kept: int  # tokens in mask and not dropped by the imp-weight cap
     clip_count: float  # kept tokens where the clipped branch was taken
-    approx_kl_sum: float  # sum over kept tokens of (old_logp - logp), k1 estimator
+    approx_kl_sum: float  # sum over kept tokens of k3 = (r - 1) - log r, r = exp(logp - old)
     imp_weight_sum: float  # sum of w_t over masked tokens (before cap masking)
     imp_weight_max: float  # max of w_t over masked tokens (0 when none)
     n_imp_masked: int  # tokens dropped because w_t > cap
+    entropy_sum: float = 0.0  # sum over masked tokens of the policy entropy (0 if not given), nats
 
 
 def ppo_loss(
@@ -63,10 +72,18 @@ def ppo_loss(
     mask: torch.Tensor,
     cfg: PPOLossConfig,
     loss_denominator: float,
+    entropy: torch.Tensor | None = None,
 ) -> PPOLossOutput:
-    """Decoupled (or standard) PPO clipped surrogate over flat ``[N]`` token tensors."""
+    """Decoupled (or standard) PPO clipped surrogate over flat ``[N]`` token tensors.
+
+    ``entropy`` ``[N]`` (optional, no grad): the current policy's entropy at each token, only
+    summed into the stats.
+    """
     n = logp.shape[0]
-    for name, t in (("prox_logp", prox_logp), ("behav_logp", behav_logp), ("adv", adv)):
+    others = [("prox_logp", prox_logp), ("behav_logp", behav_logp), ("adv", adv)]
+    if entropy is not None:
+        others.append(("entropy", entropy))
+    for name, t in others:
         if t.shape != logp.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
     if logp.dim() != 1 or mask.shape != (n,):
@@ -112,8 +129,14 @@ def ppo_loss(
 
     with torch.no_grad():
         clipped = kept & (pg_loss2 > pg_loss1)
-        approx_kl = torch.where(kept, old_logp - logp.detach(), zero)
+        log_r = log_ratio.detach()  # [N], 0 outside kept
+        approx_kl = torch.expm1(log_r) - log_r  # k3 = (r - 1) - log r >= 0; 0 outside kept
         w_in_mask = torch.where(m, w, zero)
+        ent_sum = (
+            float(torch.where(m, entropy.detach().to(logp.device, logp.dtype), zero).sum().item())
+            if entropy is not None
+            else 0.0
+        )
         n_tokens = int(m.sum().item())
         return PPOLossOutput(
             loss=loss,
@@ -124,30 +147,56 @@ def ppo_loss(
             imp_weight_sum=float(w_in_mask.sum().item()),
             imp_weight_max=float(w_in_mask.max().item()) if n_tokens > 0 else 0.0,
             n_imp_masked=int(imp_masked.sum().item()),
+            entropy_sum=ent_sum,
         )
+
+
+def loss_stat_sums(outs: Sequence[PPOLossOutput]) -> dict[str, float]:
+    """Additive totals of micro-batch outputs (what ranks all-reduce with a sum before
+    ``stats_from_sums``); ``imp_weight_max`` is combined with a max instead."""
+    return {
+        "loss": float(sum(float(o.loss.detach().item()) for o in outs)),
+        "n_tokens": float(sum(o.n_tokens for o in outs)),
+        "n_kept": float(sum(o.n_kept for o in outs)),
+        "clip_count": float(sum(o.clip_count for o in outs)),
+        "approx_kl_sum": float(sum(o.approx_kl_sum for o in outs)),
+        "imp_weight_sum": float(sum(o.imp_weight_sum for o in outs)),
+        "n_imp_masked": float(sum(o.n_imp_masked for o in outs)),
+        "entropy_sum": float(sum(o.entropy_sum for o in outs)),
+    }
+
+
+def stats_from_sums(sums: dict[str, float], imp_weight_max: float) -> dict[str, float]:
+    """Step stats from ``loss_stat_sums`` totals; every value finite, 0 when there is no token.
+
+    ``clipfrac`` and ``approx_kl`` are per kept token; ``entropy`` and the imp-weight stats are
+    per masked (loss) token.
+    """
+
+    def frac(num: float, den: float) -> float:
+        return float(num) / den if den > 0 else 0.0
+
+    n_tokens, n_kept = sums["n_tokens"], sums["n_kept"]
+    return {
+        "loss": sums["loss"],
+        "clipfrac": frac(sums["clip_count"], n_kept),
+        "approx_kl": frac(sums["approx_kl_sum"], n_kept),
+        "entropy": frac(sums["entropy_sum"], n_tokens),
+        "behav_imp_weight_mean": frac(sums["imp_weight_sum"], n_tokens),
+        "behav_imp_weight_max": float(imp_weight_max),
+        "behav_imp_weight_masked_frac": frac(sums["n_imp_masked"], n_tokens),
+        "n_tokens": n_tokens,
+    }
 
 
 def reduce_loss_stats(outs: Sequence[PPOLossOutput]) -> dict[str, float]:
     """Combine micro-batch outputs of one step; every value is finite, 0 when there is no token.
 
     ``loss`` is the sum of micro-batch losses (each already divided by the batch token count);
-    ``clipfrac`` and ``approx_kl`` are per kept token; imp-weight stats are per masked token.
+    ``clipfrac`` and ``approx_kl`` (k3) are per kept token; ``entropy`` and the imp-weight stats
+    are per masked token.
     """
-    n_tokens = sum(o.n_tokens for o in outs)
-    n_kept = sum(o.n_kept for o in outs)
-
-    def frac(num: float, den: int) -> float:
-        return float(num) / den if den > 0 else 0.0
-
-    return {
-        "loss": float(sum(float(o.loss.detach().item()) for o in outs)),
-        "clipfrac": frac(sum(o.clip_count for o in outs), n_kept),
-        "approx_kl": frac(sum(o.approx_kl_sum for o in outs), n_kept),
-        "behav_imp_weight_mean": frac(sum(o.imp_weight_sum for o in outs), n_tokens),
-        "behav_imp_weight_max": max((o.imp_weight_max for o in outs), default=0.0),
-        "behav_imp_weight_masked_frac": frac(sum(o.n_imp_masked for o in outs), n_tokens),
-        "n_tokens": float(n_tokens),
-    }
+    return stats_from_sums(loss_stat_sums(outs), max((o.imp_weight_max for o in outs), default=0.0))
 
 
 def loglinear_prox_logp(

@@ -1,0 +1,8 @@
+"""The only package that imports `nats`: connection, streams, codec, the `Bus` and observers.
+
+Importing `areal.bus` itself is cheap (errors only); import `areal.bus.client` for the `Bus`.
+"""
+
+from areal.bus.errors import MessageTooLarge, RunConflictError, StateDecodeError
+
+__all__ = ["MessageTooLarge", "RunConflictError", "StateDecodeError"]

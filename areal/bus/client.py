@@ -6,118 +6,98 @@ Invariants:
 - a consumed message is held by a `Lease` that heartbeats `in_progress` until the handler settles
   it (ack only once its effect is durable: published downstream or folded into a checkpoint);
 - a message that cannot be decoded, or whose handler keeps failing up to `max_deliver`, goes to
-  `areal.<run>.dlq.<stage>` with the reason and is then removed; the worker keeps running.
+  `areal.<run>.dlq.<stage>` with the reason and is then removed; the worker keeps running;
+- the bus is sealed: its nats connection and JetStream context are private; callers get typed
+  methods (publish/consume, run state, weights, events, stream depth) and never a nats object;
+- a failure is raised, never turned into a normal answer (`latest_weights` is None only when
+  nothing was announced; `kv_get` is None only when the key has no value).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
-import os
-import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import nats.errors
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import DeliverPolicy
-from nats.js.errors import BadRequestError, KeyNotFoundError
+from nats.js.errors import BadRequestError
+from pydantic import BaseModel
 
 from areal.bus.codec import DecodeError, decode, encode
 from areal.bus.connection import connect
 from areal.bus.embedded import MAX_PAYLOAD_BYTES
+from areal.bus.errors import MessageTooLarge
+from areal.bus.events import BusSubscription, EventSubscription, subscribe_events
 from areal.bus.jetstream import PublishAcks, PullInbox
-from areal.bus.streams import BusOptions, declare_run
-from areal.bus.weights import WeightsChannel
+from areal.bus.kv import KVWatch, RunStateKV
+from areal.bus.lease import Lease
+from areal.bus.run_weights import RunWeights
+from areal.bus.streams import declare_run
+from areal.config import NatsSettings
 from schemas import DeadLetter, Event, Message, MetricRecord, WeightAnnouncement
 from schemas import subjects as S
 from schemas.subjects import RunNames
 
 log = structlog.get_logger()
 M = TypeVar("M", bound=Message)
+T = TypeVar("T", bound=BaseModel)
+
+__all__ = ["Bus", "BusSubscription", "EventSubscription", "KVWatch", "Lease", "MessageTooLarge"]
 
 
 PULL_BATCH_CAP = 256  # most messages one pull request asks for
 PULL_MAX_BYTES = 2 * MAX_PAYLOAD_BYTES  # most bytes one pull request delivers (>= a message)
 
 
-class MessageTooLarge(ValueError):
-    pass
+@dataclass(frozen=True)
+class ConnectionStats:
+    """Bytes and messages through the bus's own connection (weights move on another one)."""
 
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-class Lease:
-    """A consumed message until it is settled (ack / nak / term)."""
-
-    def __init__(self, bus: Bus, msg: Msg, stage: str, owner: PullInbox | None = None) -> None:
-        self.bus, self.msg, self.stage = bus, msg, stage
-        self.owner = owner  # the consume loop that holds this lease (room for more when settled)
-        self.settled = False
-        self.received_at = time.monotonic()
-
-    @property
-    def num_delivered(self) -> int:
-        return self.msg.metadata.num_delivered
-
-    def _settle(self) -> None:
-        self.settled = True
-        self.bus._leases.discard(self)
-        if self.owner is not None:
-            self.owner.release(self)
-
-    async def ack(self) -> None:
-        if not self.settled:
-            self._settle()
-            await self.msg.ack()
-
-    async def nak(self, delay_s: float | None = None) -> None:
-        if not self.settled:
-            self._settle()
-            await self.msg.nak(delay=delay_s)
-
-    async def dead_letter(self, reason: str) -> None:
-        if not self.settled:
-            await self.bus.dead_letter(self.stage, self.msg, reason)
-            await self.ack()
+    in_bytes: int
+    out_bytes: int
+    in_msgs: int
+    out_msgs: int
+    reconnects: int
 
 
 Handler = Callable[[M, Lease], Awaitable[None]]
 
 
 class Bus:
+    """One worker's connection to one run (sealed: see the module invariants)."""
+
     def __init__(
         self,
         nc: Client,
         run_id: str,
         role: str,
         worker_id: str,
-        opts: BusOptions | None = None,
+        nats: NatsSettings | None = None,
         url: str | None = None,
     ) -> None:
-        self.nc, self.js = nc, nc.jetstream()
+        self._nc, self._js = nc, nc.jetstream()
         self.url = url or nc.connected_url.geturl()
         self.names = RunNames(run_id)
         self.role, self.worker_id = role, worker_id
-        self.opts = opts or BusOptions()
+        self.settings = nats or NatsSettings()
         self._leases: set[Lease] = set()
         self._tasks: set[asyncio.Task] = set()
         self._heartbeat_task: asyncio.Task | None = None
         self._acks = PublishAcks(nc)
-        self._kv = None
-        self._weights: WeightsChannel | None = None  # started on first use
-        self._weights_lock = asyncio.Lock()
-        self.dlq_count = 0
+        self._state: RunStateKV | None = None  # bound on first use
+        self._weights = RunWeights(
+            self._js,
+            self.names,
+            url=self.url,
+            client_name=f"areal-{self.names.run_id}-{worker_id}-weights",
+            weights_keep=self.settings.weights_keep,
+            announce=lambda ann: self.publish(S.WEIGHTS, ann),
+        )
 
     @classmethod
     async def connect(
@@ -126,26 +106,58 @@ class Bus:
         run_id: str,
         role: str,
         worker_id: str,
-        opts: BusOptions | None = None,
+        nats: NatsSettings | None = None,
         declare: bool = True,
     ) -> Bus:
-        nc = await connect(url, f"areal-{run_id}-{worker_id}")
-        bus = cls(nc, run_id, role, worker_id, opts, url=url)
-        await bus._acks.start()
-        if declare:
-            await bus.declare()
+        """Connect and (with `declare`) declare the run's streams; raises `RunConflictError`
+        when a stream with the run's name belongs to something else (nothing is modified)."""
+        names = RunNames(run_id)  # an invalid run id fails before connecting
+        nc = await connect(url, f"areal-{names.run_id}-{worker_id}")
+        bus = cls(nc, run_id, role, worker_id, nats, url=url)
+        try:
+            await bus._acks.start()
+            if declare:
+                await bus.declare()
+        except BaseException:
+            await nc.close()
+            raise
         bus._heartbeat_task = asyncio.create_task(bus._heartbeat_loop())
         return bus
 
     async def declare(self) -> None:
         try:
-            await declare_run(self.js, self.names, self.opts)
+            await declare_run(self._js, self.names, self.settings)
         except BadRequestError as e:
             raise RuntimeError(
                 f"run {self.names.run_id}: JetStream refused the stream/consumer layout ({e}); "
                 "a run id is reused with different settings: choose a new run id"
             ) from e
-        self._kv = await self.js.key_value(self.names.state_bucket)
+
+    @property
+    def max_payload(self) -> int:
+        """Largest message the server accepts (bytes)."""
+        return self._nc.max_payload
+
+    def connection_stats(self) -> ConnectionStats:
+        st = self._nc.stats
+        return ConnectionStats(
+            st["in_bytes"], st["out_bytes"], st["in_msgs"], st["out_msgs"], st["reconnects"]
+        )
+
+    @property
+    def reconnects(self) -> int:
+        """Times this connection was re-established since it was opened."""
+        return self._nc.stats["reconnects"]
+
+    async def stream_depth(self, stream: str) -> int:
+        """Messages currently stored in the run's stream `stream` (e.g. `S.DLQ`)."""
+        return (await self._js.stream_info(self.names.stream(stream))).state.messages
+
+    async def subscribe_events(
+        self, kind: str, cb: Callable[[Event], Awaitable[None]]
+    ) -> EventSubscription:
+        """Live events `areal.<run>.events.<kind>` (core subscription; malformed ones skipped)."""
+        return await subscribe_events(self._nc, self.names.events_subject(kind), cb)
 
     # ---------------------------------------------------------------- publishing
     async def publish(
@@ -156,17 +168,17 @@ class Bus:
         await self.publish_raw(self.names.subject(stream, *rest), data, msg_id or msg.msg_id())
 
     async def publish_raw(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
-        if len(data) > self.nc.max_payload:
+        if len(data) > self._nc.max_payload:
             raise MessageTooLarge(
                 f"message of {len(data)} bytes on {subject} exceeds the server's max_payload "
-                f"{self.nc.max_payload}: raise max_payload in the server config (8 MiB is the "
+                f"{self._nc.max_payload}: raise max_payload in the server config (8 MiB is the "
                 "default here) or shorten max_new_tokens"
             )
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
         delay = 0.2
         for attempt in range(12):
             try:
-                await self._acks.publish(subject, data, headers, self.opts.publish_timeout_s)
+                await self._acks.publish(subject, data, headers, self.settings.publish_timeout_s)
                 return
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
                 log.warning(
@@ -193,7 +205,6 @@ class Bus:
             headers=dict(msg.headers or {}),
             worker_id=self.worker_id,
         )
-        self.dlq_count += 1
         log.warning("dead_lettered", stage=stage, reason=reason[:300], subject=msg.subject)
         await self.publish(S.DLQ, dl, stage)
 
@@ -220,7 +231,7 @@ class Bus:
         delivered but not handled yet are nak'ed so another worker takes them at once.
         """
         pull = PullInbox(
-            self.nc,
+            self._nc,
             self.names.stream(stream),
             S.CONSUMER_OF[stream],
             batch_cap=PULL_BATCH_CAP,
@@ -251,7 +262,8 @@ class Bus:
                         self._spawn(self._run_handler(handler, obj, lease))
         finally:
             for raw in await pull.close():
-                with contextlib.suppress(Exception):
+                # best effort: if the connection is gone, the server redelivers after ack_wait
+                with contextlib.suppress(nats.errors.Error):
                     await raw.nak()
 
     async def _run_handler(self, handler: Handler, obj: Message, lease: Lease) -> None:
@@ -259,10 +271,10 @@ class Bus:
             await handler(obj, lease)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # a failing handler must not kill the worker
+        except Exception as e:  # a failing handler must not kill the worker: nak, then DLQ
             reason = f"handler failed: {type(e).__name__}: {e}"
             log.exception("handler_failed", stage=lease.stage, delivered=lease.num_delivered)
-            if lease.num_delivered >= self.opts.max_deliver:
+            if lease.num_delivered >= self.settings.max_deliver:
                 await lease.dead_letter(reason)
             else:
                 await lease.nak(delay_s=1.0)
@@ -280,120 +292,56 @@ class Bus:
 
     async def _heartbeat_loop(self) -> None:
         """Keep every unsettled lease alive (`in_progress`) so long work is not redelivered."""
-        period = max(0.5, self.opts.ack_wait_s / 3)
+        period = max(0.5, self.settings.ack_wait_s / 3)
         while True:
             await asyncio.sleep(period)
             for lease in list(self._leases):
                 if not lease.settled:
+                    # best effort: a missed beat (reconnecting, settled meanwhile) is retried a
+                    # period later, well within ack_wait; the loop must outlive any one failure
                     with contextlib.suppress(Exception):
                         await lease.msg.in_progress()
 
     # ---------------------------------------------------------------- run state (KV)
-    async def kv_get(self, key: str) -> dict | None:
-        try:
-            entry = await self._kv.get(key)
-        except KeyNotFoundError:
-            return None
-        return json.loads(entry.value) if entry.value else None
+    async def _run_state(self) -> RunStateKV:
+        if self._state is None:
+            bucket = self.names.state_bucket
+            self._state = RunStateKV(await self._js.key_value(bucket), bucket)
+        return self._state
 
-    async def kv_put(self, key: str, value: dict) -> None:
-        await self._kv.put(key, json.dumps(value).encode())
+    async def kv_get(self, key: str, model: type[T]) -> T | None:
+        """The run state under `key` as `model`; None only when the key has no value. A value
+        that does not validate raises `StateDecodeError` naming the key and the bucket."""
+        return await (await self._run_state()).get(key, model)
 
-    async def kv_watch(self, key: str):
-        return await self._kv.watch(key)
+    async def kv_put(self, key: str, value: BaseModel) -> None:
+        await (await self._run_state()).put(key, value)
 
-    # ---------------------------------------------------------------- weights
+    async def kv_watch(self, key: str) -> KVWatch:
+        """Changes of `key` from now on (`KVWatch.wait`); create it before reading the key."""
+        return await (await self._run_state()).watch(key)
+
+    # ---------------------------------------------------------------- weights (`run_weights`)
     async def put_weights(
         self, version: int, data: bytes, dtype: str, step: int, file_dir: str | None = None
     ) -> WeightAnnouncement:
-        """Store weights, then announce them (in that order).
-
-        By default in the run's object store; with `file_dir` (a filesystem every rollout worker
-        sees, e.g. for very large models) as `<file_dir>/v<version>.safetensors`, written
-        atomically. Only the newest `weights_keep` versions are kept either way.
-        """
-        name = f"v{version}"
-        sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
-        if file_dir is None:
-            await (await self._weights_channel()).put(name, data)
-            uri = f"nats-obj://{self.names.weights_bucket}/{name}"
-        else:
-            path = Path(file_dir).resolve() / f"{name}.safetensors"
-            await asyncio.to_thread(_write_atomic, path, data)
-            uri = f"file://{path}"
-        ann = WeightAnnouncement(
-            version=version, uri=uri, sha256=sha, bytes=len(data), dtype=dtype, step=step
-        )
-        await self.publish(S.WEIGHTS, ann)
-        old = version - self.opts.weights_keep
-        if old >= 0:
-            with contextlib.suppress(Exception):
-                if file_dir is None:
-                    await (await self._weights_channel()).delete(f"v{old}")
-                else:
-                    (Path(file_dir) / f"v{old}.safetensors").unlink(missing_ok=True)
-        return ann
+        """Store weights, then announce them (`RunWeights.put`)."""
+        return await self._weights.put(version, data, dtype, step, file_dir)
 
     async def get_weights(self, ann: WeightAnnouncement) -> bytes:
-        """Fetch the announced weights and verify their digest."""
-        if ann.uri.startswith("file://"):
-            path = ann.uri[len("file://") :]
-            data = await asyncio.to_thread(Path(path).read_bytes)
-        elif ann.uri.startswith("nats-obj://"):
-            bucket, name = ann.uri[len("nats-obj://") :].split("/", 1)
-            if bucket == self.names.weights_bucket:
-                data = await (await self._weights_channel()).get(name)
-            else:  # another run's weights (e.g. to start from them): the library's reader
-                data = (await (await self.js.object_store(bucket)).get(name)).data
-        else:
-            raise ValueError(f"unsupported weights uri {ann.uri!r}")
-        sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
-        if sha != ann.sha256 or len(data) != ann.nbytes:
-            raise ValueError(
-                f"weights v{ann.version} failed verification: sha256 {sha[:12]} != "
-                f"{ann.sha256[:12]} or {len(data)} != {ann.nbytes} bytes"
-            )
-        return data
+        """Fetch the announced weights and verify their digest (`RunWeights.get`)."""
+        return await self._weights.get(ann)
 
-    async def _weights_channel(self) -> WeightsChannel:
-        """The run's object-store weights on their own connection and thread (`weights.py`)."""
-        async with self._weights_lock:
-            if self._weights is None:
-                channel = WeightsChannel(
-                    self.url,
-                    f"areal-{self.names.run_id}-{self.worker_id}-weights",
-                    self.names.weights_bucket,
-                )
-                await channel.start()
-                self._weights = channel
-        return self._weights
-
-    async def subscribe_weights(self, cb: Callable[[WeightAnnouncement], Awaitable[None]]) -> Any:
+    async def subscribe_weights(
+        self, cb: Callable[[WeightAnnouncement], Awaitable[None]]
+    ) -> BusSubscription:
         """Deliver the latest announcement now and every later one (ordered consumer)."""
-
-        async def on_msg(msg: Msg) -> None:
-            try:
-                ann = decode(msg.data, WeightAnnouncement)
-            except DecodeError as e:
-                log.warning("bad_weight_announcement", reason=str(e))
-                return
-            await cb(ann)
-
-        return await self.js.subscribe(
-            self.names.subject(S.WEIGHTS),
-            cb=on_msg,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.LAST,
-        )
+        return await self._weights.subscribe(cb)
 
     async def latest_weights(self) -> WeightAnnouncement | None:
-        try:
-            msg = await self.js.get_last_msg(
-                self.names.stream(S.WEIGHTS), self.names.subject(S.WEIGHTS)
-            )
-        except Exception:
-            return None
-        return decode(msg.data, WeightAnnouncement)
+        """The newest announcement; None ONLY when the run has announced no weights yet. Any
+        other failure raises: a restoring trainer must not take it for "no weights"."""
+        return await self._weights.latest()
 
     # ---------------------------------------------------------------- lifecycle
     async def close(self, nak_unsettled: bool = True) -> None:
@@ -402,12 +350,13 @@ class Bus:
             task.cancel()
         if self._heartbeat_task:
             self._heartbeat_task.cancel()
+        # Closing is best effort throughout: a lease not nak'ed is redelivered after ack_wait,
+        # and a connection that cannot drain (already closed, server gone) is closed anyway.
         if nak_unsettled:
             for lease in list(self._leases):
                 with contextlib.suppress(Exception):
                     await lease.nak()
-        if self._weights is not None:
-            with contextlib.suppress(Exception):
-                await self._weights.close()
         with contextlib.suppress(Exception):
-            await self.nc.drain()
+            await self._weights.close()
+        with contextlib.suppress(Exception):
+            await self._nc.drain()

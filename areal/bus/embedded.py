@@ -57,8 +57,12 @@ def die_with_parent() -> None:
 class EmbeddedNats:
     """A private JetStream server. Use as a context manager or call start()/stop()."""
 
-    def __init__(self, store_dir: str | Path | None = None, port: int | None = None) -> None:
+    def __init__(
+        self, store_dir: str | Path | None = None, port: int | None = None, extra_conf: str = ""
+    ) -> None:
+        """`extra_conf`: more nats-server config lines (e.g. `ping_interval: "1s"`)."""
         self._own_dir = store_dir is None
+        self.extra_conf = extra_conf
         self.store_dir = Path(store_dir or tempfile.mkdtemp(prefix="areal-nats-"))
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
@@ -77,7 +81,7 @@ class EmbeddedNats:
         conf.write_text(
             f"listen: 127.0.0.1:{self.port}\n"
             f"max_payload: {MAX_PAYLOAD_BYTES}\n"
-            f'jetstream {{ store_dir: "{self.store_dir / "js"}" }}\n'
+            f'jetstream {{ store_dir: "{self.store_dir / "js"}" }}\n' + self.extra_conf
         )
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child process
         self.proc = subprocess.Popen(

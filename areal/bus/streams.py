@@ -1,13 +1,21 @@
-"""Declaring a run's streams, consumers, KV bucket and object store (idempotent).
+"""Declaring a run's streams, consumers, KV bucket and object store (idempotent, never
+destructive to anything that is not this run's).
 
 Work-queue streams (prompts, trajectories, rewards) keep each message until the one durable
 consumer of the next stage acknowledges it; limits streams (weights, metrics, events, dlq) keep
 history by count/age so anyone can replay it.
+
+Invariants:
+- a stream is created, or, when it exists with exactly this run's subjects (the same run, maybe
+  with changed limits), updated to our limits; a stream with our name and other subjects belongs
+  to something else and raises `RunConflictError` untouched (run names are injective,
+  `schemas.subjects`, so this only happens with a stream made by hand or by an older naming);
+- a stage's durable consumer is created, or updated when only its limits (ack wait, deliveries)
+  differ; one with another shape (push delivery, a filter, another ack policy) raises
+  `RunConflictError` untouched.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -18,70 +26,152 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 
 from areal.bus.embedded import MAX_PAYLOAD_BYTES
+from areal.bus.errors import RunConflictError
+from areal.config import NatsSettings
 from schemas import subjects as S
 from schemas.subjects import RunNames
 
+# Stream fields whose difference from ours is a change of limits (brought to ours by an update).
+_STREAM_LIMITS = (
+    "retention",
+    "storage",
+    "max_msg_size",
+    "duplicate_window",
+    "max_msgs",
+    "max_age",
+    "max_bytes",
+    "discard",
+)
+_CONSUMER_LIMITS = ("ack_wait", "max_deliver", "max_ack_pending", "max_waiting")
+_FIX = "choose another run id, or delete the old run's streams (`nats stream rm NAME`)"
 
-@dataclass
-class BusOptions:
-    ack_wait_s: float = 30.0
-    max_deliver: int = 5
-    duplicate_window_s: float = 600.0
-    history_max_age_s: float = 7 * 24 * 3600.0
-    history_max_bytes: int = 512 * 1024 * 1024
-    weights_keep: int = 4
-    publish_timeout_s: float = 10.0
-    memory_storage: bool = False
 
-
-def stream_config(names: RunNames, stream: str, opts: BusOptions) -> StreamConfig:
-    storage = StorageType.MEMORY if opts.memory_storage else StorageType.FILE
+def stream_config(names: RunNames, stream: str, nats: NatsSettings) -> StreamConfig:
+    storage = StorageType.MEMORY if nats.memory_storage else StorageType.FILE
+    one_subject = stream in S.WORK_QUEUE_STREAMS or stream == S.WEIGHTS
     common = dict(
         name=names.stream(stream),
-        subjects=[names.subject(stream)]
-        if stream in S.WORK_QUEUE_STREAMS or stream == S.WEIGHTS
-        else [names.subject(stream, ">")],
+        subjects=[names.subject(stream)] if one_subject else [names.subject(stream, ">")],
         storage=storage,
         max_msg_size=MAX_PAYLOAD_BYTES,
-        duplicate_window=opts.duplicate_window_s,
+        duplicate_window=nats.duplicate_window_s,
     )
     if stream in S.WORK_QUEUE_STREAMS:
         return StreamConfig(retention=RetentionPolicy.WORK_QUEUE, **common)
     if stream == S.WEIGHTS:
         return StreamConfig(
-            retention=RetentionPolicy.LIMITS, max_msgs=opts.weights_keep * 4, **common
+            retention=RetentionPolicy.LIMITS, max_msgs=nats.weights_keep * 4, **common
         )
     return StreamConfig(
         retention=RetentionPolicy.LIMITS,
-        max_age=opts.history_max_age_s,
-        max_bytes=opts.history_max_bytes,
+        max_age=nats.history_max_age_s,
+        max_bytes=nats.history_max_bytes,
         discard=DiscardPolicy.OLD,
         **common,
     )
 
 
-def consumer_config(stream: str, opts: BusOptions) -> ConsumerConfig:
+def consumer_config(stream: str, nats: NatsSettings) -> ConsumerConfig:
     return ConsumerConfig(
         durable_name=S.CONSUMER_OF[stream],
         ack_policy=AckPolicy.EXPLICIT,
-        ack_wait=opts.ack_wait_s,
-        max_deliver=opts.max_deliver,
+        ack_wait=nats.ack_wait_s,
+        max_deliver=nats.max_deliver,
         max_ack_pending=-1,
         max_waiting=512,
     )
 
 
-async def declare_run(js: JetStreamContext, names: RunNames, opts: BusOptions) -> None:
-    for stream in S.ALL_STREAMS:
-        cfg = stream_config(names, stream, opts)
+async def _stream_config_of(js: JetStreamContext, name: str) -> StreamConfig | None:
+    try:
+        return (await js.stream_info(name)).config
+    except NotFoundError:
+        return None
+
+
+def _check_owner(current: StreamConfig, cfg: StreamConfig) -> None:
+    if sorted(current.subjects or []) != sorted(cfg.subjects or []):
+        raise RunConflictError(
+            f"stream {cfg.name} exists with subjects {current.subjects}, not this run's "
+            f"{cfg.subjects}: it belongs to another run or tool; {_FIX}"
+        )
+
+
+async def declare_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    """Create `cfg`'s stream, or bring this run's existing one to `cfg`'s limits."""
+    current = await _stream_config_of(js, cfg.name)
+    if current is None:
         try:
             await js.add_stream(cfg)
-        except BadRequestError:
-            await js.update_stream(cfg)  # exists with other limits: bring it to ours
-    for stream in S.WORK_QUEUE_STREAMS:
-        await js.add_consumer(names.stream(stream), consumer_config(stream, opts))
+            return
+        except BadRequestError:  # created meanwhile (another worker of the run): check it
+            current = await _stream_config_of(js, cfg.name)
+            if current is None:
+                raise
+    _check_owner(current, cfg)
+    if any(getattr(current, f) != getattr(cfg, f) for f in _STREAM_LIMITS):
+        await js.update_stream(cfg)  # the same run with changed limits
+
+
+async def _consumer_config_of(
+    js: JetStreamContext, stream_name: str, durable: str
+) -> ConsumerConfig | None:
+    try:
+        return (await js.consumer_info(stream_name, durable)).config
+    except NotFoundError:
+        return None
+
+
+def _check_consumer(current: ConsumerConfig, stream_name: str, cfg: ConsumerConfig) -> None:
+    foreign = (
+        current.deliver_subject
+        or current.filter_subject
+        or current.filter_subjects
+        or current.ack_policy != cfg.ack_policy
+    )
+    if foreign:
+        raise RunConflictError(
+            f"consumer {cfg.durable_name} on stream {stream_name} exists with another shape "
+            f"(deliver_subject={current.deliver_subject!r}, filter={current.filter_subject!r}, "
+            f"filters={current.filter_subjects}, ack_policy={current.ack_policy}): not this "
+            f"run's pull consumer; {_FIX}"
+        )
+
+
+async def declare_consumer(js: JetStreamContext, stream_name: str, cfg: ConsumerConfig) -> None:
+    """Create the stage's durable pull consumer, or bring this run's existing one to `cfg`."""
+    current = await _consumer_config_of(js, stream_name, cfg.durable_name)
+    if current is None:
+        await js.add_consumer(stream_name, cfg)
+        return
+    _check_consumer(current, stream_name, cfg)
+    if any(getattr(current, f) != getattr(cfg, f) for f in _CONSUMER_LIMITS):
+        await js.add_consumer(stream_name, cfg)  # an existing durable: updates its limits
+
+
+async def declare_run(js: JetStreamContext, names: RunNames, nats: NatsSettings) -> None:
+    """Declare every stream, stage consumer and bucket of the run (see the module invariants).
+
+    Every conflict is looked for before anything is created or updated, so a declaration that
+    raises `RunConflictError` changes nothing on the server."""
+    streams = {stream: stream_config(names, stream, nats) for stream in S.ALL_STREAMS}
+    consumers = {stream: consumer_config(stream, nats) for stream in S.WORK_QUEUE_STREAMS}
+    for stream, cfg in streams.items():
+        current = await _stream_config_of(js, cfg.name)
+        if current is None:
+            continue
+        _check_owner(current, cfg)
+        if stream in consumers:
+            durable = consumers[stream].durable_name
+            existing = await _consumer_config_of(js, cfg.name, durable)
+            if existing is not None:
+                _check_consumer(existing, cfg.name, consumers[stream])
+    for cfg in streams.values():
+        await declare_stream(js, cfg)
+    for stream, ccfg in consumers.items():
+        await declare_consumer(js, streams[stream].name, ccfg)
     await js.create_key_value(bucket=names.state_bucket, history=1)
     await js.create_object_store(bucket=names.weights_bucket)

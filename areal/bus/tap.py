@@ -24,11 +24,11 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 
 from areal.bus.connection import connect
 from schemas import subjects as S
-from schemas.subjects import RunNames
+from schemas.subjects import RunNames, run_of_stream
 
 # Observers may buffer a burst of big samples; a slow tap drops its own messages, never the
 # pipeline's (core NATS drops for the slow subscriber only).
@@ -55,6 +55,7 @@ class QueueStats:
     pending: int | None = None  # consumer: not yet delivered
     redelivered: int | None = None
     subjects: dict[str, int] = field(default_factory=dict)  # per-subject counts (dlq stages)
+    consumers: int = 0  # consumers of the stream (a tap never adds one)
 
 
 OnMessage = Callable[[TapMessage], Awaitable[None]]
@@ -76,7 +77,7 @@ class TapClient:
     """A connection that only observes one run."""
 
     def __init__(self, nc: Client, run_id: str) -> None:
-        self.nc, self.js = nc, nc.jetstream()
+        self._nc, self._js = nc, nc.jetstream()
         self.names = RunNames(run_id)
         self._subs: list[Any] = []
 
@@ -95,9 +96,9 @@ class TapClient:
     async def check_run(self) -> None:
         """Raise a clear error when the run's streams do not exist on this server."""
         try:
-            await self.js.stream_info(self.names.stream(S.METRICS))
+            await self._js.stream_info(self.names.stream(S.METRICS))
         except NotFoundError:
-            runs = await list_runs(self.nc)
+            runs = await list_runs(self._nc)
             raise LookupError(
                 f"run {self.names.run_id!r} has no streams on this NATS server; "
                 f"runs here: {', '.join(runs) or 'none'} (pass --run ID)"
@@ -133,15 +134,15 @@ class TapClient:
             headers = msg.headers or {}
             await cb(TapMessage(msg.subject, msg.data, headers.get("Nats-Msg-Id"), time.time()))
 
-        sub = await self.nc.subscribe(subject, cb=on_msg, pending_bytes_limit=_PENDING_BYTES)
+        sub = await self._nc.subscribe(subject, cb=on_msg, pending_bytes_limit=_PENDING_BYTES)
         self._subs.append(sub)
 
     async def _peek_queue(self, stream: str, subject: str, cb: OnMessage, history: int) -> None:
-        info = await self.js.stream_info(self.names.stream(stream))
+        info = await self._js.stream_info(self.names.stream(stream))
         seq, end, found = info.state.first_seq, info.state.last_seq, []
         while seq <= end and len(found) < 10_000:
             try:
-                raw = await self.js.get_msg(
+                raw = await self._js.get_msg(
                     self.names.stream(stream), seq, subject=subject, next=True
                 )
             except NotFoundError:
@@ -175,7 +176,7 @@ class TapClient:
         elif history == 1:
             cfg = ConsumerConfig(deliver_policy=DeliverPolicy.LAST)
         elif history > 0 and whole_stream:
-            last = (await self.js.stream_info(stream_name)).state.last_seq
+            last = (await self._js.stream_info(stream_name)).state.last_seq
             cfg = ConsumerConfig(
                 deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
                 opt_start_seq=max(1, last - history + 1),
@@ -200,7 +201,7 @@ class TapClient:
                 )
             )
 
-        sub = await self.js.subscribe(
+        sub = await self._js.subscribe(
             subject,
             cb=on_msg,
             stream=stream_name,
@@ -217,7 +218,7 @@ class TapClient:
         for stream in S.ALL_STREAMS:
             name = self.names.stream(stream)
             try:
-                info = await self.js.stream_info(
+                info = await self._js.stream_info(
                     name, subjects_filter=">" if stream == S.DLQ else None
                 )
             except (NotFoundError, nats.errors.TimeoutError):
@@ -225,7 +226,7 @@ class TapClient:
             ack_pending = pending = redelivered = None
             if stream in S.CONSUMER_OF:
                 with contextlib.suppress(NotFoundError, nats.errors.TimeoutError):
-                    ci = await self.js.consumer_info(name, S.CONSUMER_OF[stream])
+                    ci = await self._js.consumer_info(name, S.CONSUMER_OF[stream])
                     ack_pending, pending = ci.num_ack_pending, ci.num_pending
                     redelivered = ci.num_redelivered
             out[stream] = QueueStats(
@@ -236,41 +237,48 @@ class TapClient:
                 pending,
                 redelivered,
                 dict(info.state.subjects or {}),
+                info.state.consumer_count,
             )
         return out
 
     async def kv_state(self) -> dict[str, dict]:
-        """The run-state bucket (`controller`, `trainer` keys), decoded; {} when absent."""
+        """The run-state bucket (`controller`, `trainer` keys) as JSON objects; a key without a
+        value is left out, and {} when the run has no bucket yet. Other failures raise."""
         try:
-            kv = await self.js.key_value(self.names.state_bucket)
-        except Exception:
+            kv = await self._js.key_value(self.names.state_bucket)
+        except NotFoundError:  # BucketNotFoundError: the run has not declared it (yet)
             return {}
         out: dict[str, dict] = {}
         for key in ("controller", "trainer"):
-            with contextlib.suppress(Exception):
+            try:
                 entry = await kv.get(key)
-                if entry.value:
-                    out[key] = json.loads(entry.value)
+            except (KeyNotFoundError, KeyDeletedError):
+                continue
+            if entry.value:
+                out[key] = json.loads(entry.value)
         return out
 
     async def close(self) -> None:
+        # best effort: the observer is going away; the server drops its interest either way
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         with contextlib.suppress(Exception):
-            await self.nc.drain()
+            await self._nc.drain()
 
 
 async def list_runs(nc: Client) -> list[str]:
-    """Run ids with streams on this server (from the metrics streams' subjects)."""
-    js = nc.jetstream()
+    """Run ids with streams on this server: the metrics streams' names read back through
+    `run_of_stream` (the inverse of `RunNames.stream`), kept only when the stream carries that
+    run's subjects (a stream made by hand or by an older naming is not a run)."""
     runs: list[str] = []
-    with contextlib.suppress(Exception):
-        for info in await js.streams_info():
-            for subj in info.config.subjects or []:
-                parts = subj.split(".")
-                if len(parts) >= 3 and parts[0] == "areal" and parts[2] == S.METRICS:
-                    runs.append(parts[1])
+    for info in await nc.jetstream().streams_info():
+        found = run_of_stream(info.config.name)
+        if found is None or found[1] != S.METRICS:
+            continue
+        run_id = found[0]
+        if (info.config.subjects or []) == [RunNames(run_id).subject(S.METRICS, ">")]:
+            runs.append(run_id)
     return sorted(set(runs))
 
 
@@ -280,7 +288,7 @@ async def discover_run(url: str) -> str:
     try:
         runs = await list_runs(nc)
     finally:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # best effort: a read-only probe connection
             await nc.close()
     if len(runs) == 1:
         return runs[0]

@@ -71,9 +71,10 @@ DEFAULT_RECIPES: dict[str, SftRecipe] = {
 FALLBACK_RECIPE = SftRecipe(steps=200, lr=1e-3)
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get("AREAL_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "areal-bus" / "models"
+def cache_root(cache_dir: str | Path | None) -> Path:
+    """The model cache dir: `cache_dir` (the settings' `cache_dir`, env `AREAL_CACHE_DIR`), or
+    `~/.cache/areal-bus/models` when it is None."""
+    return Path(cache_dir) if cache_dir is not None else Path.home() / ".cache/areal-bus/models"
 
 
 def warm_key(
@@ -160,13 +161,14 @@ def ensure_warm_model(
     *,
     sft_steps: int | None = None,
     seed: int = 0,
-    cache_dir: str | Path | None = None,
+    cache_dir: str | Path | None,
     task_kwargs: dict[str, Any] | None = None,
     lr: float | None = None,
     preset: TinyPreset = TINY_PRESET,
 ) -> Path:
     """Path of the warm-started model directory for (task, recipe, seed), building it if it is
-    not cached. `sft_steps` / `lr` default to the task's entry in `DEFAULT_RECIPES`."""
+    not cached under `cache_root(cache_dir)` (pass the settings' `cache_dir`; None = the default
+    dir). `sft_steps` / `lr` default to the task's entry in `DEFAULT_RECIPES`."""
     task_kwargs = dict(task_kwargs or {})
     base = DEFAULT_RECIPES.get(task_spec, FALLBACK_RECIPE)
     recipe = SftRecipe(
@@ -178,7 +180,7 @@ def ensure_warm_model(
     )
     if recipe.steps < 0:
         raise ValueError(f"sft_steps must be >= 0, got {recipe.steps}")
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = cache_root(cache_dir)
     key = warm_key(task_spec, task_kwargs, recipe, seed, preset)
     slug = task_spec.split(":")[-1] if task_spec in SYNTHETIC_TASKS else Path(task_spec).stem
     final = root / f"warm-{slug}-{recipe.steps}-{key}"

@@ -10,30 +10,45 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+# The typed engine configs live in `config.py`; re-exported here next to the protocols they
+# configure (`from areal.engines.base import InferenceEngineConfig` works).
+from areal.engines.config import InferenceEngineConfig, TrainEngineConfig
+
+__all__ = [
+    "GenOutput",
+    "GenRequest",
+    "InferenceEngine",
+    "InferenceEngineConfig",
+    "OnFinished",
+    "PollRequests",
+    "PollWeights",
+    "SamplingParams",
+    "TrainEngine",
+    "TrainEngineConfig",
+    "TrainSeq",
+    "WeightUpdate",
+]
+
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()
+    max_new_tokens: int = 16  # generated tokens per sequence at most (incl. a final stop token)
+    temperature: float = 1.0  # softmax temperature; <= 0 = greedy (log-probs then at T = 1)
+    top_p: float = 1.0  # nucleus mass kept when sampling; never changes the recorded log-prob
+    stop_token_ids: tuple[int, ...] = ()  # sampling one of these ends the sequence ("stop")
 
 
 @dataclass
 class GenRequest:
-    """One sequence to generate. `prefix_*` carry tokens already generated (resume after a
-    crash or a requeue): they are re-prefilled and kept, never resampled."""
+    """One sequence to generate from ``prompt_ids`` (non-empty)."""
 
     key: str
     prompt_ids: list[int]
-    prefix_ids: list[int] = field(default_factory=list)
-    prefix_logp: list[float] = field(default_factory=list)
-    prefix_versions: list[int] = field(default_factory=list)
     max_new_tokens: int | None = None  # per-request cap; None = SamplingParams.max_new_tokens
 
 
@@ -43,7 +58,7 @@ class GenOutput:
     output_ids: list[int]  # generated tokens only (incl. a final stop token if one was sampled)
     behav_logp: list[float]  # [len(output_ids)] log-prob of each token under the producing weights
     versions: list[int]  # [len(output_ids)] policy version that produced each token
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" (a stop token was sampled) | "length" (token or context cap)
     n_interrupts: int = 0  # weight switches that happened while this sequence was in flight
     n_reprefill_tokens: int = 0  # tokens re-prefilled (prompt + partial output) after switches
 
@@ -70,13 +85,14 @@ class InferenceEngine(Protocol):
     def generate(
         self,
         requests: list[GenRequest],
+        *,
         params: SamplingParams,
         poll_weights: PollWeights | None = None,
         on_finished: OnFinished | None = None,
-        should_abort: Callable[[str], bool] | None = None,
         poll_requests: PollRequests | None = None,
     ) -> list[GenOutput]:
-        """Outputs of `requests` in order, then of any admitted via `poll_requests`."""
+        """Outputs of `requests` in order, then of any admitted via `poll_requests`; returns
+        when every one of them has finished and `poll_requests` (if given) hands in nothing."""
         ...
 
     def load_weights(self, update: WeightUpdate) -> None: ...
@@ -102,7 +118,9 @@ class TrainEngine(Protocol):
         ...
 
     def train_step(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> dict[str, float]:
-        """One optimizer step over all seqs, packed into micro-batches; returns loss stats."""
+        """One ``train_step`` over all seqs, packed into micro-batches; returns step stats:
+        ``reduce_loss_stats`` keys (``loss``, ``clipfrac``, k3 ``approx_kl``, ``entropy``, ...)
+        plus ``grad_norm``, ``lr``, ``padding_frac``, ``n_microbatches``, ``tokens``, ``time_s``."""
         ...
 
     def export_safetensors(self) -> bytes: ...

@@ -25,8 +25,10 @@ from pathlib import Path
 
 import torch
 
-from areal.algo.loss import PPOLossConfig, reduce_loss_stats
+from areal.algo.loss import loss_stat_sums, stats_from_sums
 from areal.engines.base import TrainSeq
+from areal.engines.config import TrainEngineConfig
+from areal.engines.hf_io import save_hf_dir
 from areal.engines.seq_forward import SeqForward, load_causal_lm, seq_len
 from areal.engines.torch_infer import resolve_dtype
 from areal.engines.torch_train import (
@@ -40,75 +42,69 @@ __all__ = ["DeepSpeedTrainEngine"]
 
 
 class DeepSpeedTrainEngine:
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        grad_clip: float = 1.0,
-        loss_cfg: PPOLossConfig | None = None,
-        temperature: float = 1.0,
-        n_minibatches: int = 1,
-        prox_logp: str = "recompute",
-        dtype: str = "bfloat16",
-        zero_stage: int = 2,
-        seed: int = 0,
-        version: int = 0,
-        packing: str = "ffd",
-        fixed_mb_size: int = 8,
-        attn_implementation: str = "varlen",
-    ) -> None:
+    """Built from a ``TrainEngineConfig`` of kind "deepspeed" (``cfg.device`` is ignored: each
+    rank runs on ``cuda:$LOCAL_RANK``); ``version`` starts at 0."""
+
+    def __init__(self, cfg: TrainEngineConfig) -> None:
         import deepspeed
         import torch.distributed as dist
 
+        if cfg.kind != "deepspeed":
+            raise ValueError(
+                f"DeepSpeedTrainEngine needs a config of kind 'deepspeed', got {cfg.kind!r}"
+            )
         deepspeed.init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(self.device)
-        torch.manual_seed(seed)
-        self.model_path = model_path
-        self.zero_stage = zero_stage
-        zero = {"stage": zero_stage, "overlap_comm": True, "contiguous_gradients": True}
-        if zero_stage == 3:
+        torch.manual_seed(cfg.seed)
+        self.cfg = cfg
+        self.model_path = cfg.model_path
+        self.zero_stage = cfg.zero_stage
+        zero = {"stage": cfg.zero_stage, "overlap_comm": True, "contiguous_gradients": True}
+        if cfg.zero_stage == 3:
             zero["stage3_gather_16bit_weights_on_model_save"] = True
         self.ds_config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,  # boundaries are driven explicitly below
-            "gradient_clipping": grad_clip,
-            "bf16": {"enabled": dtype in ("bfloat16", "bf16")},
-            "fp16": {"enabled": dtype in ("float16", "fp16")},
+            # DeepSpeed reads 0 as "no clipping", like grad_clip <= 0 in TorchTrainEngine.
+            "gradient_clipping": max(cfg.grad_clip, 0.0),
+            "bf16": {"enabled": cfg.dtype in ("bfloat16", "bf16")},
+            "fp16": {"enabled": cfg.dtype in ("float16", "fp16")},
             "zero_optimization": zero,
             "optimizer": {
                 "type": "AdamW",
-                "params": {"lr": lr, "betas": list(betas), "weight_decay": weight_decay},
+                "params": {
+                    "lr": cfg.lr,
+                    "betas": list(cfg.betas),
+                    "weight_decay": cfg.weight_decay,
+                },
             },
             "steps_per_print": 10**9,
         }
-        torch_dtype = resolve_dtype(dtype)
-        if zero_stage == 3:
+        torch_dtype = resolve_dtype(cfg.dtype)
+        if cfg.zero_stage == 3:
             with deepspeed.zero.Init(config_dict_or_path=self.ds_config):
-                model, varlen = load_causal_lm(model_path, torch_dtype, attn_implementation)
+                model, varlen = load_causal_lm(cfg.model_path, torch_dtype, cfg.attn_implementation)
         else:
-            model, varlen = load_causal_lm(model_path, torch_dtype, attn_implementation)
+            model, varlen = load_causal_lm(cfg.model_path, torch_dtype, cfg.attn_implementation)
         model.eval()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=self.ds_config
         )
         self.module = self.engine.module
-        self.loss_cfg = loss_cfg if loss_cfg is not None else PPOLossConfig()
-        self.n_minibatches = n_minibatches
-        self.prox_logp = prox_logp
-        self.temperature = temperature
-        self.version = version
+        self.loss_cfg = cfg.loss_cfg
+        self.n_minibatches = cfg.n_minibatches
+        self.prox_logp = cfg.prox_logp
+        self.temperature = cfg.temperature
+        self.version = 0
         self.fwd = SeqForward(
             self.engine,
             dtype=torch_dtype,
             device=self.device,
-            temperature=temperature,
-            packing=packing,
-            fixed_mb_size=fixed_mb_size,
+            temperature=cfg.temperature,
+            packing=cfg.packing,
+            fixed_mb_size=cfg.fixed_mb_size,
             varlen=varlen,
         )
 
@@ -176,44 +172,35 @@ class DeepSpeedTrainEngine:
             grad_norms.append(float(self.engine.get_global_grad_norm() or 0.0))
         self.version += 1
 
-        local = reduce_loss_stats(outs)
-        local["loss"] /= max(len(chunks), 1)
-        # Combine across ranks: sums for counts/loss, weighted means for per-token stats.
+        # Combine across ranks from additive totals, so every ratio has the same definition as
+        # on one rank (reduce_loss_stats): sums all-reduced with SUM, the imp-weight max with MAX.
+        sums = loss_stat_sums(outs)
+        keys = sorted(sums)
         vec = torch.tensor(
-            [
-                local["loss"],
-                local["clipfrac"] * local["n_tokens"],
-                local["approx_kl"] * local["n_tokens"],
-                local["behav_imp_weight_mean"] * local["n_tokens"],
-                local["behav_imp_weight_masked_frac"] * local["n_tokens"],
-                local["n_tokens"],
-                float(n_mb),
-                float(tokens),
-                float(padded),
-            ],
+            [sums[k] for k in keys] + [float(n_mb), float(tokens), float(padded)],
             device=self.device,
             dtype=torch.float64,
         )
         dist.all_reduce(vec)
-        mx = torch.tensor([local["behav_imp_weight_max"]], device=self.device)
+        mx = torch.tensor(
+            [max((o.imp_weight_max for o in outs), default=0.0)],
+            device=self.device,
+            dtype=torch.float64,
+        )
         dist.all_reduce(mx, op=dist.ReduceOp.MAX)
         v = vec.tolist()
-        n_tok = max(v[5], 1.0)
-        return {
-            "loss": v[0],
-            "clipfrac": v[1] / n_tok,  # per masked token here (per kept token on one rank)
-            "approx_kl": v[2] / n_tok,
-            "behav_imp_weight_mean": v[3] / n_tok,
-            "behav_imp_weight_max": float(mx),
-            "behav_imp_weight_masked_frac": v[4] / n_tok,
-            "n_tokens": v[5],
-            "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
-            "padding_frac": (v[8] - v[7]) / v[8] if v[8] else 0.0,
-            "n_microbatches": v[6],
-            "tokens": v[7],
-            "time_s": time.perf_counter() - t0,
-        }
+        stats = stats_from_sums(dict(zip(keys, v[: len(keys)], strict=True)), float(mx))
+        stats["loss"] /= max(len(chunks), 1)  # mean over minibatches of each minibatch's mean
+        n_mb_all, tokens_all, padded_all = v[len(keys) :]
+        stats.update(
+            grad_norm=sum(grad_norms) / max(len(grad_norms), 1),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            padding_frac=(padded_all - tokens_all) / padded_all if padded_all else 0.0,
+            n_microbatches=n_mb_all,
+            tokens=tokens_all,
+            time_s=time.perf_counter() - t0,
+        )
+        return stats
 
     # ------------------------------------------------------------ serialisation
     def _full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -233,22 +220,11 @@ class DeepSpeedTrainEngine:
         return save(state) if state is not None else b""
 
     def save_pretrained(self, path: str) -> None:
+        """Rank 0 writes the HF directory (``hf_io.save_hf_dir``, the same files as
+        ``TorchTrainEngine.save_pretrained``); every rank must call this (ZeRO-3 gather)."""
         state = self._full_state_dict()
-        if self.rank != 0:
-            return
-        dst = Path(path)
-        tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
-        self.module.save_pretrained(tmp, state_dict=state)
-        for f in Path(self.model_path).iterdir():
-            if (
-                f.is_file()
-                and f.suffix not in (".safetensors", ".bin")
-                and not (tmp / f.name).exists()
-            ):
-                shutil.copy2(f, tmp / f.name)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
+        if self.rank == 0:
+            save_hf_dir(self.module, state, self.model_path, path)
 
     def save_checkpoint(self, path: str) -> None:
         """A DeepSpeed checkpoint directory (sharded model + optimizer), swapped in atomically."""

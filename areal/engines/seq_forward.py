@@ -11,6 +11,8 @@ Invariants:
   ``flash_attention_2`` handles restarting position ids natively.
 - ``packing="fixed"``: consecutive chunks of ``fixed_mb_size``, right-padded (the baseline).
 - Only the logits of output positions are computed (``logits_to_keep``) in the packed path.
+- ``logp_and_entropy`` also returns each output position's entropy ``-sum_v p_v log p_v`` of the
+  same temperature-scaled distribution, computed without grad (a statistic, never a loss term).
 """
 
 from __future__ import annotations
@@ -89,12 +91,25 @@ class SeqForward:
         return max(lens) * len(lens) if self.packing == "fixed" else sum(lens)
 
     def logp(self, seqs: list[TrainSeq]) -> list[torch.Tensor]:
-        """Log-probs of each seq's output tokens, one micro-batch (grad follows the caller)."""
+        """Log-probs ``[T_i]`` of each seq's output tokens, one micro-batch (grad follows the
+        caller)."""
+        return self._gather(self._output_logits(seqs), seqs, entropy=False)[0]
+
+    def logp_and_entropy(
+        self, seqs: list[TrainSeq]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``logp`` plus the per-token entropy ``[T_i]`` (nats, no grad) at the same positions."""
+        logp, ent = self._gather(self._output_logits(seqs), seqs, entropy=True)
+        assert ent is not None
+        return logp, ent
+
+    def _output_logits(self, seqs: list[TrainSeq]) -> torch.Tensor:
+        """Logits ``[K, V]`` predicting every output token of ``seqs`` in order (K = sum T_i)."""
         if self.packing == "fixed":
             return self._padded(seqs)
         return self._packed(seqs)
 
-    def _packed(self, seqs: list[TrainSeq]) -> list[torch.Tensor]:
+    def _packed(self, seqs: list[TrainSeq]) -> torch.Tensor:
         ids = torch.cat([torch.cat([s.prompt_ids, s.output_ids]) for s in seqs])  # [L]
         pos = torch.cat([torch.arange(seq_len(s)) for s in seqs])  # [L]
         keep, offset = [], 0
@@ -107,16 +122,15 @@ class SeqForward:
             kwargs["areal_seg_lens"] = [seq_len(s) for s in seqs]
         elif not self.builtin_packed:
             kwargs["attention_mask"] = _block_causal_mask(seqs, self.dtype).to(self.device)
-        logits = self.model(
+        return self.model(
             input_ids=ids[None].to(self.device),
             position_ids=pos[None].to(self.device),
             use_cache=False,
             logits_to_keep=torch.cat(keep).to(self.device),
             **kwargs,
         ).logits[0]  # [K, V]
-        return self._gather(logits, seqs)
 
-    def _padded(self, seqs: list[TrainSeq]) -> list[torch.Tensor]:
+    def _padded(self, seqs: list[TrainSeq]) -> torch.Tensor:
         length = max(seq_len(s) for s in seqs)
         ids = torch.zeros(len(seqs), length, dtype=torch.long)
         attn = torch.zeros(len(seqs), length, dtype=torch.long)
@@ -130,14 +144,20 @@ class SeqForward:
         logits = self.model(
             input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False
         ).logits  # [B, S, V]
-        sel = logits[torch.cat(rows).to(self.device), torch.cat(cols).to(self.device)]  # [K, V]
-        return self._gather(sel, seqs)
+        return logits[torch.cat(rows).to(self.device), torch.cat(cols).to(self.device)]  # [K, V]
 
-    def _gather(self, logits: torch.Tensor, seqs: list[TrainSeq]) -> list[torch.Tensor]:
+    def _gather(
+        self, logits: torch.Tensor, seqs: list[TrainSeq], entropy: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        sizes = [len(s.output_ids) for s in seqs]
         targets = torch.cat([s.output_ids for s in seqs]).to(self.device)  # [K]
         logprobs = torch.log_softmax(logits.float() / self.temperature, dim=-1)  # [K, V]
         logp = logprobs.gather(-1, targets[:, None]).squeeze(-1)  # [K]
-        return list(logp.split([len(s.output_ids) for s in seqs]))
+        if not entropy:
+            return list(logp.split(sizes)), None
+        with torch.no_grad():
+            ent = torch.special.entr(logprobs.detach().exp()).sum(dim=-1)  # [K], entr(0) = 0
+        return list(logp.split(sizes)), list(ent.split(sizes))
 
 
 def _block_causal_mask(seqs: list[TrainSeq], dtype: torch.dtype) -> torch.Tensor:

@@ -3,17 +3,20 @@
 Invariants:
 - Behaviour log-prob: every sampled token gets ``log_softmax(logits / T)[token]`` with ``T`` the
   sampling temperature (``T = 1`` for greedy, temperature 0). The trainer evaluates
-  ``log_softmax(logits / T)`` with the same ``T`` (``TorchTrainEngine(temperature=...)``), so the
+  ``log_softmax(logits / T)`` with the same ``T`` (``TrainEngineConfig.temperature``), so the
   behaviour and training policies are the same distribution. Top-p only changes which token is
   drawn, never the recorded log-prob.
 - Every recorded token carries the version of the weights whose logits it was sampled from.
-- Continuous batching: at most ``max_batch_size`` rows are in the batch; a finished (or aborted)
-  row leaves the batch and the KV cache at once and is reported through ``on_finished`` at once;
-  waiting requests are prefilled and merged into the running batch when rows are free.
+- Continuous batching: at most ``max_batch_size`` rows are in the batch; a finished row leaves
+  the batch and the KV cache at once and is reported through ``on_finished`` at once; waiting
+  requests are prefilled and merged into the running batch when rows are free.
 - Interruptible: ``poll_weights`` is called at every token boundary. A returned update is loaded,
   the KV cache is discarded and every active row is re-prefilled (prompt + tokens so far) under
   the new weights; tokens already generated keep their log-probs and versions.
-- ``max_new_tokens`` bounds the whole output, including resumed ``prefix_ids``.
+- A row finishes with "stop" when it samples a stop token (kept, with its log-prob), else with
+  "length" at its ``max_new_tokens`` (the request's, else ``SamplingParams``') or when prompt +
+  output reach the model's ``max_position_embeddings`` (a prompt already that long finishes at
+  once with no output).
 - Thread-safety: ``generate`` holds the engine lock for its whole run; ``poll_weights`` is the
   only way to hand weights in mid-generation (a ``load_weights`` from another thread waits).
 
@@ -27,7 +30,6 @@ from __future__ import annotations
 import inspect
 import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +43,7 @@ from areal.engines.base import (
     SamplingParams,
     WeightUpdate,
 )
+from areal.engines.config import InferenceEngineConfig
 
 __all__ = ["TorchInferenceEngine", "resolve_dtype", "sample_tokens", "weights_from_safetensors"]
 
@@ -189,30 +192,26 @@ def _pad_left(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
 
 
 class TorchInferenceEngine:
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        device: str = "cpu",
-        dtype: str = "float32",
-        max_batch_size: int = 64,
-        seed: int = 0,
-        version: int = 0,
-    ) -> None:
+    """Built from an ``InferenceEngineConfig`` of kind "torch"; ``version`` starts at 0."""
+
+    def __init__(self, cfg: InferenceEngineConfig) -> None:
         from transformers import AutoModelForCausalLM
 
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.device = torch.device(device)
+        if cfg.kind != "torch":
+            raise ValueError(
+                f"TorchInferenceEngine needs a config of kind 'torch', got {cfg.kind!r}"
+            )
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=resolve_dtype(dtype), local_files_only=True
+            cfg.model_path, dtype=resolve_dtype(cfg.dtype), local_files_only=True
         ).to(self.device)
         self.model.eval()
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = cfg.max_batch_size
         self.max_seq_len: int | None = getattr(self.model.config, "max_position_embeddings", None)
-        self.version = version
+        self.version = 0
         self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(seed)
+        self.generator.manual_seed(cfg.seed)
         self._lock = threading.RLock()
         # transformers 5.2x renamed `past_key_values` to `cache`; accept both.
         params = inspect.signature(self.model.forward).parameters
@@ -237,19 +236,23 @@ class TorchInferenceEngine:
     def generate(
         self,
         requests: list[GenRequest],
+        *,
         params: SamplingParams,
         poll_weights: PollWeights | None = None,
         on_finished: OnFinished | None = None,
-        should_abort: Callable[[str], bool] | None = None,
         poll_requests: PollRequests | None = None,
     ) -> list[GenOutput]:
+        """See ``InferenceEngine.generate``; the module docstring states the invariants."""
         with self._lock:
-            return self._generate(
-                requests, params, poll_weights, on_finished, should_abort, poll_requests
-            )
+            return self._generate(requests, params, poll_weights, on_finished, poll_requests)
 
     def _generate(
-        self, requests, params, poll_weights, on_finished, should_abort, poll_requests=None
+        self,
+        requests: list[GenRequest],
+        params: SamplingParams,
+        poll_weights: PollWeights | None,
+        on_finished: OnFinished | None,
+        poll_requests: PollRequests | None,
     ) -> list[GenOutput]:
         results: list[GenOutput | None] = [None] * len(requests)
         stop_ids = set(params.stop_token_ids)
@@ -265,7 +268,7 @@ class TorchInferenceEngine:
         def admit(i: int, req: GenRequest) -> None:
             row = self._new_row(i, req)
             reason = self._finish_reason(row, params, stop_ids)
-            if reason is not None:  # a resumed prefix that is already complete
+            if reason is not None:  # prompt already at the context limit, or a cap of 0
                 finish(row, reason)
             else:
                 waiting.append(row)
@@ -291,18 +294,6 @@ class TorchInferenceEngine:
                         row.n_interrupts += 1
                         row.n_reprefill_tokens += len(row.ids)
                     batch.merge(self._prefill(rows))
-            if should_abort is not None and batch.rows:
-                keep = []
-                for j, row in enumerate(batch.rows):
-                    if should_abort(row.req.key):
-                        finish(row, "abort")
-                    else:
-                        keep.append(j)
-                batch.keep(keep)
-            if should_abort is not None:
-                for row in [r for r in waiting if should_abort(r.req.key)]:
-                    waiting.remove(row)
-                    finish(row, "abort")
             n_free = self.max_batch_size - len(batch.rows)
             if waiting and n_free > 0:
                 new = [waiting.popleft() for _ in range(min(n_free, len(waiting)))]
@@ -336,19 +327,8 @@ class TorchInferenceEngine:
     def _new_row(self, i: int, req: GenRequest) -> _Row:
         if not req.prompt_ids:
             raise ValueError(f"request {req.key!r} has an empty prompt")
-        n = len(req.prefix_ids)
-        if len(req.prefix_logp) != n or len(req.prefix_versions) != n:
-            raise ValueError(
-                f"request {req.key!r}: prefix_ids/prefix_logp/prefix_versions lengths differ "
-                f"({n}, {len(req.prefix_logp)}, {len(req.prefix_versions)})"
-            )
         return _Row(
-            idx=i,
-            req=req,
-            out_ids=list(req.prefix_ids),
-            out_logp=list(req.prefix_logp),
-            out_versions=list(req.prefix_versions),
-            ids=list(req.prompt_ids) + list(req.prefix_ids),
+            idx=i, req=req, out_ids=[], out_logp=[], out_versions=[], ids=list(req.prompt_ids)
         )
 
     def _finish_reason(self, row: _Row, params: SamplingParams, stop_ids: set[int]) -> str | None:

@@ -10,13 +10,15 @@ Invariants:
   (``packing="ffd"``: FFD + one packed row per micro-batch; ``"fixed"``: right-padded chunks).
 - One ``train_step`` = ``n_minibatches`` optimizer steps over contiguous minibatches, each
   averaging over its own loss tokens; ``version`` goes up by exactly one per ``train_step``.
+- Its stats come from ``reduce_loss_stats`` over the micro-batches: k3 ``approx_kl`` against the
+  PPO reference and ``entropy``, the mean per-token entropy of the training forward's
+  temperature-scaled distribution (computed without grad, before that minibatch's update).
 - The RL math (decoupled PPO loss, log-linear proximal policy, packing) comes from ``areal.algo``.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -31,6 +33,8 @@ from areal.algo.loss import (
     reduce_loss_stats,
 )
 from areal.engines.base import TrainSeq
+from areal.engines.config import TrainEngineConfig
+from areal.engines.hf_io import save_hf_dir
 from areal.engines.seq_forward import SeqForward, load_causal_lm, seq_len
 from areal.engines.torch_infer import resolve_dtype
 
@@ -42,14 +46,6 @@ __all__ = [
     "split_contiguous",
 ]
 
-_WEIGHT_SUFFIXES = (
-    ".safetensors",
-    ".bin",
-    ".pt",
-    ".pth",
-    ".safetensors.index.json",
-    ".bin.index.json",
-)
 _CHECKPOINT_FORMAT = 1
 
 
@@ -68,56 +64,36 @@ def export_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class TorchTrainEngine:
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        grad_clip: float = 1.0,
-        loss_cfg: PPOLossConfig | None = None,
-        temperature: float = 1.0,
-        n_minibatches: int = 1,
-        prox_logp: str = "recompute",
-        device: str = "cpu",
-        dtype: str = "float32",
-        seed: int = 0,
-        version: int = 0,
-        packing: str = "ffd",
-        fixed_mb_size: int = 8,
-        attn_implementation: str = "varlen",
-    ) -> None:
-        if prox_logp not in ("recompute", "loglinear"):
-            raise ValueError(f"prox_logp must be 'recompute' or 'loglinear', got {prox_logp!r}")
-        if temperature <= 0:
-            raise ValueError(
-                f"temperature must be > 0 (use 1.0 for greedy rollouts), got {temperature}"
-            )
-        if n_minibatches < 1 or fixed_mb_size < 1:
-            raise ValueError("n_minibatches and fixed_mb_size must be >= 1")
-        torch.manual_seed(seed)
-        self.model_path = model_path
-        self.device = torch.device(device)
-        model, varlen = load_causal_lm(model_path, resolve_dtype(dtype), attn_implementation)
+    """Built from a ``TrainEngineConfig`` of kind "torch"; ``version`` starts at 0."""
+
+    def __init__(self, cfg: TrainEngineConfig) -> None:
+        if cfg.kind != "torch":
+            raise ValueError(f"TorchTrainEngine needs a config of kind 'torch', got {cfg.kind!r}")
+        torch.manual_seed(cfg.seed)
+        self.cfg = cfg
+        self.model_path = cfg.model_path
+        self.device = torch.device(cfg.device)
+        model, varlen = load_causal_lm(
+            cfg.model_path, resolve_dtype(cfg.dtype), cfg.attn_implementation
+        )
         self.model = model.to(self.device)
         self.model.eval()
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
+            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
-        self.grad_clip = grad_clip
-        self.loss_cfg = loss_cfg if loss_cfg is not None else PPOLossConfig()
-        self.temperature = temperature
-        self.n_minibatches = n_minibatches
-        self.prox_logp = prox_logp
-        self.version = version
+        self.grad_clip = cfg.grad_clip
+        self.loss_cfg = cfg.loss_cfg
+        self.temperature = cfg.temperature
+        self.n_minibatches = cfg.n_minibatches
+        self.prox_logp = cfg.prox_logp
+        self.version = 0
         self.fwd = SeqForward(
             self.model,
             dtype=self.model.dtype,
             device=self.device,
-            temperature=temperature,
-            packing=packing,
-            fixed_mb_size=fixed_mb_size,
+            temperature=cfg.temperature,
+            packing=cfg.packing,
+            fixed_mb_size=cfg.fixed_mb_size,
             varlen=varlen,
         )
 
@@ -184,22 +160,9 @@ class TorchTrainEngine:
         return save(export_state_dict(self.model))
 
     def save_pretrained(self, path: str) -> None:
-        """HF directory (config + safetensors) plus tokenizer and other non-weight files of
-        ``model_path``; written to a temp dir and renamed into place."""
-        dst = Path(path)
-        tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
-        self.model.save_pretrained(tmp)
-        src = Path(self.model_path)
-        for f in src.iterdir():
-            if (
-                f.is_file()
-                and not f.name.endswith(_WEIGHT_SUFFIXES)
-                and not (tmp / f.name).exists()
-            ):
-                shutil.copy2(f, tmp / f.name)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
+        """HF directory at ``path`` (``hf_io.save_hf_dir``: config + safetensors + tokenizer and
+        other non-weight files of ``model_path``), swapped into place atomically."""
+        save_hf_dir(self.model, None, self.model_path, path)
 
     def save_checkpoint(self, path: str) -> None:
         """One file: model, optimizer, version, RNG; written to a temp file and renamed."""
@@ -273,9 +236,11 @@ def microbatch_loss(
 ) -> PPOLossOutput:
     """Forward one micro-batch with grad and return its decoupled-PPO loss (not yet backwarded).
 
-    Per-token adv = the seq's adv on every output token; loss mask = all output tokens.
+    Per-token adv = the seq's adv on every output token; loss mask = all output tokens. The
+    per-token entropy of the same forward goes into the stats (no grad).
     """
-    logp = torch.cat(fwd.logp(seqs))  # [N]
+    logps, ents = fwd.logp_and_entropy(seqs)
+    logp, entropy = torch.cat(logps), torch.cat(ents)  # [N], [N]
     behav = torch.cat([s.behav_logp for s in seqs]).to(device, torch.float32)
     adv = torch.cat([torch.full((len(s.output_ids),), float(s.adv)) for s in seqs]).to(device)
     mask = torch.ones_like(logp, dtype=torch.bool)
@@ -286,7 +251,7 @@ def microbatch_loss(
     else:
         versions = torch.cat([s.versions for s in seqs]).to(device)
         prox = loglinear_prox_logp(behav, logp.detach(), versions, version)
-    return ppo_loss(logp, prox, behav, adv, mask, cfg, denom)
+    return ppo_loss(logp, prox, behav, adv, mask, cfg, denom, entropy=entropy)
 
 
 def split_contiguous(seqs: list[TrainSeq], n: int) -> list[list[TrainSeq]]:

@@ -1,4 +1,4 @@
-"""vLLM inference engine (GPU): step-driven continuous batching, abort + resume, in-place reload.
+"""vLLM inference engine (GPU): step-driven continuous batching, interrupt + resume, weight reload.
 
 UNTESTED ON THIS MACHINE: written against the vLLM (>= 0.10, V1 engine) API without a GPU or
 vllm installed here; the torch engine is the reference implementation and its tests define the
@@ -17,7 +17,7 @@ Invariants (same as ``TorchInferenceEngine``):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
 from areal.engines.base import (
     GenOutput,
@@ -28,6 +28,8 @@ from areal.engines.base import (
     SamplingParams,
     WeightUpdate,
 )
+from areal.engines.config import InferenceEngineConfig
+from areal.engines.torch_infer import resolve_dtype
 
 __all__ = ["VLLMInferenceEngine"]
 
@@ -37,34 +39,30 @@ def _load_weights_on_worker(self, items):  # runs inside each vLLM worker via co
 
 
 class VLLMInferenceEngine:
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        dtype: str = "bfloat16",
-        max_batch_size: int = 256,
-        gpu_memory_utilization: float = 0.85,
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
-        version: int = 0,
-    ) -> None:
+    """Built from an ``InferenceEngineConfig`` of kind "vllm" (``device`` is ignored: vLLM
+    places itself); ``version`` starts at 0."""
+
+    def __init__(self, cfg: InferenceEngineConfig) -> None:
         from vllm import LLM
 
+        if cfg.kind != "vllm":
+            raise ValueError(f"VLLMInferenceEngine needs a config of kind 'vllm', got {cfg.kind!r}")
+        self.cfg = cfg
         self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            seed=seed,
-            max_num_seqs=max_batch_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            tensor_parallel_size=tensor_parallel_size,
+            model=cfg.model_path,
+            dtype=str(resolve_dtype(cfg.dtype)).removeprefix("torch."),  # "bf16" -> "bfloat16"
+            seed=cfg.seed,
+            max_num_seqs=cfg.max_batch_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            tensor_parallel_size=cfg.tensor_parallel_size,
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             skip_tokenizer_init=True,
         )
         self.engine = self.llm.llm_engine
-        self.version = version
+        self.version = 0
         self._n_submits = 0
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = cfg.max_batch_size
 
     def load_weights(self, update: WeightUpdate) -> None:
         items = [
@@ -82,21 +80,21 @@ class VLLMInferenceEngine:
     def generate(
         self,
         requests: list[GenRequest],
+        *,
         params: SamplingParams,
         poll_weights: PollWeights | None = None,
         on_finished: OnFinished | None = None,
-        should_abort: Callable[[str], bool] | None = None,
         poll_requests: PollRequests | None = None,
     ) -> list[GenOutput]:
+        """See ``InferenceEngine.generate``; the module docstring states the invariants."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
         stop_ids = set(params.stop_token_ids)
-        state: dict[str, dict] = {}  # vllm request id -> row state
+        state: dict[str, dict[str, Any]] = {}  # vllm request id -> row state
         results: list[GenOutput | None] = [None] * len(requests)
 
-        def finish(rid: str, reason: str) -> None:
-            st = state.pop(rid)
+        def finish(st: dict[str, Any], reason: str) -> None:
             out = GenOutput(
                 key=st["req"].key,
                 output_ids=st["ids"],
@@ -110,7 +108,7 @@ class VLLMInferenceEngine:
             if on_finished is not None:
                 on_finished(out)
 
-        def submit(st: dict) -> str:
+        def submit(st: dict[str, Any]) -> str:
             self._n_submits += 1
             rid = f"{st['req'].key}#{self._n_submits}"
             sp = VSamplingParams(
@@ -130,19 +128,19 @@ class VLLMInferenceEngine:
             return rid
 
         def admit(i: int, req: GenRequest) -> None:
-            st = {
+            if not req.prompt_ids:
+                raise ValueError(f"request {req.key!r} has an empty prompt")
+            st: dict[str, Any] = {
                 "idx": i,
                 "req": req,
-                "ids": list(req.prefix_ids),
-                "logp": list(req.prefix_logp),
-                "versions": list(req.prefix_versions),
+                "ids": [],
+                "logp": [],
+                "versions": [],
                 "n_interrupts": 0,
                 "n_reprefill": 0,
             }
-            limit = req.max_new_tokens or params.max_new_tokens
-            if st["ids"] and (st["ids"][-1] in stop_ids or len(st["ids"]) >= limit):
-                state["pre"] = st
-                finish("pre", "stop" if st["ids"][-1] in stop_ids else "length")
+            if (req.max_new_tokens or params.max_new_tokens) < 1:  # vLLM needs max_tokens >= 1
+                finish(st, "length")
             else:
                 submit(st)
 
@@ -166,12 +164,6 @@ class VLLMInferenceEngine:
                     st["n_interrupts"] += 1
                     st["n_reprefill"] += len(st["req"].prompt_ids) + len(st["ids"])
                     submit(st)
-            if should_abort is not None:
-                dropped = [rid for rid, st in state.items() if should_abort(st["req"].key)]
-                if dropped:
-                    self.engine.abort_request(dropped)
-                    for rid in dropped:
-                        finish(rid, "abort")
             for ro in self.engine.step():
                 st = state.get(ro.request_id)
                 if st is None:
@@ -186,5 +178,5 @@ class VLLMInferenceEngine:
                 st["seen"] += len(new_ids)
                 if ro.finished:
                     last = st["ids"][-1] if st["ids"] else None
-                    finish(ro.request_id, "stop" if last in stop_ids else "length")
+                    finish(state.pop(ro.request_id), "stop" if last in stop_ids else "length")
         return results  # type: ignore[return-value]

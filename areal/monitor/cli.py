@@ -19,25 +19,25 @@ def _add_conn(p: argparse.ArgumentParser) -> None:
         dest="run_id",
         help="run id (default: $AREAL_RUN_ID, else the only run on the server)",
     )
-    p.add_argument("--nats-url", help="NATS server (default: $NATS_URL or nats://127.0.0.1:4222)")
-
-
-def _quiet_logs(role: str) -> None:
-    """Library logs (reconnects, ...) go to stderr and only from ERROR up, so stdout stays data."""
-    import os
-
-    from areal.logging import setup_logging
-
-    setup_logging(level=os.environ.get("AREAL_LOG_LEVEL", "ERROR"), role=role)
+    p.add_argument(
+        "--nats-url",
+        help="NATS server (default: $AREAL_NATS__URL, else $NATS_URL, else nats://127.0.0.1:4222)",
+    )
 
 
 def _conn(args: argparse.Namespace) -> tuple[str, str]:
-    from areal.monitor.live import default_url, resolve_run
+    """(NATS url, run id): flags, else the environment (`MonitorSettings`), else the defaults.
 
-    _quiet_logs(args.cmd)
+    Library logs (reconnects, ...) go to stderr and, unless `AREAL_LOG_LEVEL` says otherwise,
+    only from ERROR up, so stdout stays data. A bad environment value raises `ConfigError`."""
+    from areal.config import load_monitor_settings
+    from areal.logging import setup_logging
+    from areal.monitor.live import resolve_run
 
-    url = default_url(args.nats_url)
-    return url, asyncio.run(resolve_run(url, args.run_id))
+    env = load_monitor_settings()
+    setup_logging(level=env.log_level, log_format=env.log_format, role=args.cmd)
+    url = args.nats_url or env.nats_url
+    return url, asyncio.run(resolve_run(url, args.run_id or env.run_id))
 
 
 def _fail(e: Exception) -> int:

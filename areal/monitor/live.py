@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from dataclasses import asdict
 
@@ -20,16 +19,11 @@ from areal.monitor.format import decode_for
 from areal.monitor.state import LIVE_S, RunState
 from schemas import subjects as S
 
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
-
-
-def default_url(url: str | None) -> str:
-    return url or os.environ.get("NATS_URL") or DEFAULT_NATS_URL
-
 
 async def resolve_run(url: str, run_id: str | None) -> str:
-    """`--run`, else `$AREAL_RUN_ID`, else the only run on the server."""
-    return run_id or os.environ.get("AREAL_RUN_ID") or await discover_run(url)
+    """`run_id` (`--run`, else `AREAL_RUN_ID` through `MonitorSettings`), else the only run on
+    the server."""
+    return run_id or await discover_run(url)
 
 
 async def attach(

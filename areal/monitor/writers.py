@@ -8,7 +8,6 @@ made; a missing one raises `MissingExtra` naming the pip command.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -100,12 +99,3 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
-
-
-def log_records(records: Iterable[dict[str, Any]], writers: list[RecordWriter]) -> int:
-    n = 0
-    for rec in records:
-        for w in writers:
-            w.log(rec)
-        n += 1
-    return n

@@ -1,66 +1,65 @@
-"""Controller: admits tasks onto `prompts` only while the staleness rule allows (AReaL eq. 3).
+"""Controller: publishes tasks onto `prompts` while admission allows (AReaL eq. 3).
 
-Admission is enforced by credits issued here, not by the consumer's max_ack_pending: a task's
-prompt message is acknowledged by the rollout worker as soon as its samples are published, so
-the server cannot see when a task is finished for training; the trainer's KV record (version,
-returned slots) is the ground truth for "finished". Invariants:
-- `admitted - returned <= (version + max_staleness + 1) * batch_size` at every admission, where
-  `version` is the trainer's latest *published* version (read from KV, so never ahead of it);
-- every admitted task is published exactly once: tasks are published with `Nats-Msg-Id` = task
-  id *before* the cursor is persisted, so a restart re-publishes at most the last batch and the
-  server de-duplicates it; nothing is ever admitted twice or skipped;
-- admission stops at `total_steps * batch_size + returned`, so a finished run has nothing left in
-  flight and `summary.json` can account for every task.
+The decision is `areal.core.admission.Admission`; this shell reads the trainer's state from KV,
+publishes what admission allows, persists its own state, and reports.
+
+Invariants (see the core for the rule itself):
+- tasks are published with `Nats-Msg-Id` = task id *before* the controller state is persisted,
+  so a restart re-publishes at most the last batch and the server de-duplicates it;
+- the trainer's KV record (version, returned slots) is the ground truth for admission: the
+  controller never sees a version whose weights are not announced.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+from typing import Protocol
 
 import structlog
 
-from areal.algo.staleness import admissible_count, admission_capacity
 from areal.bus.client import Bus
 from areal.bus.codec import pack
+from areal.core.admission import Admission, AdmissionPolicy
 from areal.services.common import heartbeat_loop
 from schemas import Task
 from schemas import subjects as S
+from schemas.state import CONTROLLER_KEY, TRAINER_KEY, ControllerState, TrainerState
 
 log = structlog.get_logger()
 
-CONTROLLER_KEY = "controller"
-TRAINER_KEY = "trainer"
+
+class TaskItem(Protocol):
+    index: int
+    prompt: str
+    answer: str
+    metadata: dict
 
 
-def trainer_state_default() -> dict:
-    return {"version": 0, "step": 0, "trained": 0, "dropped_stale": 0, "filtered": 0, "done": False}
+class TaskSource(Protocol):
+    def get(self, i: int) -> TaskItem: ...
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
 class Controller:
     def __init__(
         self,
         bus: Bus,
-        source,
-        tokenizer,
+        source: TaskSource,
+        tokenizer: Tokenizer,
         *,
-        batch_size: int,
+        policy: AdmissionPolicy,
         group_size: int,
-        max_staleness: int,
-        total_steps: int,
     ) -> None:
         self.bus, self.source, self.tokenizer = bus, source, tokenizer
-        self.B, self.G, self.eta, self.total_steps = (
-            batch_size,
-            group_size,
-            max_staleness,
-            total_steps,
-        )
-        self.state = {"admitted": 0, "cursor": 0}
-        self._trainer = trainer_state_default()
+        self.group_size = group_size
+        self.admission = Admission(policy)
+        self.trainer = TrainerState()
 
-    def _make_task(self, seq: int, version: int) -> Task:
-        item = self.source.get(self.state["cursor"])
+    def make_task(self, seq: int, version: int) -> Task:
+        item = self.source.get(seq)  # task k is item k of the seeded order
         ids = self.tokenizer.encode(item.prompt, add_special_tokens=False)
         return Task(
             task_id=f"{self.bus.names.run_id}-t{seq}",
@@ -70,62 +69,41 @@ class Controller:
             prompt_ids=pack(ids, "int32"),
             answer=item.answer,
             metadata=item.metadata,
-            group_size=self.G,
+            group_size=self.group_size,
             admitted_version=version,
         )
 
-    async def admit_once(self, trainer: dict) -> int:
-        """Admit as many tasks as the rule allows now; returns how many."""
-        version = trainer["version"]
-        returned = trainer["dropped_stale"] + trainer["filtered"]
-        outstanding = self.state["admitted"] - returned
-        n = admissible_count(outstanding, version, self.eta, self.B)
-        n = min(n, self.total_steps * self.B + returned - self.state["admitted"])
-        for _ in range(max(0, n)):
-            seq = self.state["admitted"]
-            await self.bus.publish(S.PROMPTS, self._make_task(seq, version))
-            self.state["admitted"] += 1
-            self.state["cursor"] += 1
-        if n > 0:
-            await self.bus.kv_put(CONTROLLER_KEY, self.state)
-            await self.bus.metric(
-                "admission",
-                {
-                    "admitted": self.state["admitted"],
-                    "outstanding": self.state["admitted"] - returned,
-                    "capacity": admission_capacity(version, self.eta, self.B),
-                    "version": version,
-                },
-            )
-        return max(0, n)
+    async def admit_once(self) -> int:
+        """Publish what admission allows now; returns how many tasks were admitted."""
+        seqs = self.admission.admissible(self.trainer)
+        for seq in seqs:
+            await self.bus.publish(S.PROMPTS, self.make_task(seq, self.trainer.version))
+            self.admission.published(seq)
+        if seqs:
+            await self.bus.kv_put(CONTROLLER_KEY, self.admission.state)
+            await self.bus.metric("admission", vars(self.admission.view(self.trainer)))
+        return len(seqs)
 
     def heartbeat(self) -> dict:
-        t = self._trainer
-        returned = t["dropped_stale"] + t["filtered"]
-        return {
-            **self.state,
-            "version": t["version"],
-            "outstanding": self.state["admitted"] - returned,
-            "capacity": admission_capacity(t["version"], self.eta, self.B),
-            "busy_frac": 0.0,
-        }
+        return {**vars(self.admission.view(self.trainer)), "busy_frac": 0.0}
+
+    async def _read_trainer(self) -> None:
+        self.trainer = await self.bus.kv_get(TRAINER_KEY, TrainerState) or TrainerState()
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.state = await self.bus.kv_get(CONTROLLER_KEY) or self.state
-        log.info("controller_started", **self.state)
-        watcher = await self.bus.kv_watch(TRAINER_KEY)
-        trainer = await self.bus.kv_get(TRAINER_KEY) or trainer_state_default()
-        self._trainer = trainer
+        saved = await self.bus.kv_get(CONTROLLER_KEY, ControllerState)
+        if saved is not None:
+            self.admission.state = saved
+        log.info("controller_started", admitted=self.admission.state.admitted)
+        watch = await self.bus.kv_watch(TRAINER_KEY)
+        await self._read_trainer()
         hb = asyncio.create_task(heartbeat_loop(self.bus, self.heartbeat, stop))
         try:
-            while not stop.is_set() and not trainer.get("done"):
-                await self.admit_once(trainer)
-                with contextlib.suppress(asyncio.TimeoutError, Exception):
-                    await watcher.updates(timeout=1.0)
-                trainer = await self.bus.kv_get(TRAINER_KEY) or trainer_state_default()
-                self._trainer = trainer
+            while not stop.is_set() and not self.trainer.done:
+                await self.admit_once()
+                await watch.wait(timeout_s=1.0)  # a trainer update, or a periodic re-read
+                await self._read_trainer()
         finally:
             hb.cancel()
-            with contextlib.suppress(Exception):
-                await watcher.stop()
-        log.info("controller_stopped", **self.state)
+            await watch.stop()
+        log.info("controller_stopped", admitted=self.admission.state.admitted)

@@ -1,49 +1,36 @@
-"""Reward: scores samples in a process pool with a timeout, publishes scored samples.
+"""Reward: scores samples in a process pool, each within its own timeout; publishes them scored.
 
 Samples that arrive together are scored in one pool call (up to `batch_size`; at most
 `pool_workers` calls in flight): per-call IPC, pickling and thread hand-offs cost far more than
 a string-matching scorer, so one call per sample made the reward worker one of the busiest
 processes of a CPU run.
 
-Invariants: a sample is acknowledged only after its scored sample is published (same msg id,
-so a redelivery after a crash is de-duplicated by the server); a scorer that raises or times out
-gives reward 0 with the error in `verifier` (the sample is not lost, and the other samples of its
-batch keep their own rewards); a scorer that hangs is killed with its pool, which is rebuilt,
-and the rest of its batch is re-scored one by one, each with the full timeout.
+Invariants:
+- A sample is acknowledged only after its scored sample is published (same msg id, so a
+  redelivery after a crash is de-duplicated by the server).
+- `timeout_s` is per sample, wherever the sample sits in its batch: a scorer that raises or runs
+  past `timeout_s` gives reward 0 with the error in `verifier["error"]`, and the other samples of
+  its batch keep their own rewards, scored in the same call (`areal/rewards/scoring.py`).
+- A scorer that hangs beyond the alarm's reach, or kills its process, costs a pool reset
+  (`pool_resets` in the heartbeat) and a one-by-one re-score of its batch
+  (`areal/services/reward_pool.py`); the sample is never lost.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
-import multiprocessing as mp
-import time
 
 import structlog
 
 from areal.bus.client import Bus, Lease
 from areal.rewards.registry import get_reward_fn
+from areal.rewards.scoring import Scored
 from areal.services.common import BusyMeter, heartbeat_loop
+from areal.services.reward_pool import ScoringPool
 from schemas import Sample, ScoredSample
 from schemas import subjects as S
 
 log = structlog.get_logger()
-
-
-Scored = tuple[float, str | None, float]  # reward, error, seconds
-
-
-def _score_many(fn_name: str, items: list[tuple[str, str]]) -> list[Scored]:
-    """Runs in a pool process: score each (completion, answer); an exception is per item."""
-    fn = get_reward_fn(fn_name)
-    out: list[Scored] = []
-    for completion, answer in items:
-        t0 = time.perf_counter()
-        try:
-            out.append((float(fn(completion, answer)), None, time.perf_counter() - t0))
-        except Exception as e:  # user scorer failed: reward 0, reason kept
-            out.append((0.0, f"{type(e).__name__}: {e}", time.perf_counter() - t0))
-    return out
 
 
 class RewardService:
@@ -59,33 +46,22 @@ class RewardService:
         get_reward_fn(fn_name)  # fail fast on a bad spec, in this process
         self.bus, self.fn_name, self.timeout_s = bus, fn_name, timeout_s
         self.pool_workers, self.batch_size = pool_workers, batch_size
-        self.pool = self._new_pool()
-        self.n_scored = 0
-        self.n_errors = 0
-        self.n_calls = 0  # pool calls made (samples / calls = the batching achieved)
+        self.pool = ScoringPool(fn_name, workers=pool_workers, timeout_s=timeout_s)
+        self.n_scored = 0  # scored samples published and acked
+        self.n_errors = 0  # samples whose scorer raised or timed out (reward 0)
         self.meter = BusyMeter()
-        self._queue: list[tuple[Sample, asyncio.Future]] = []
+        self._queue: list[tuple[Sample, asyncio.Future[Scored]]] = []
         self._wake = asyncio.Event()
         self._calls = asyncio.Semaphore(pool_workers)
-        self._batcher: asyncio.Task | None = None
-        self._inflight: set[asyncio.Task] = set()
-
-    def _new_pool(self) -> cf.ProcessPoolExecutor:
-        return cf.ProcessPoolExecutor(self.pool_workers, mp_context=mp.get_context("spawn"))
-
-    def _reset_pool(self) -> None:
-        old = self.pool
-        self.pool = self._new_pool()
-        for p in list(getattr(old, "_processes", {}).values()):
-            p.kill()
-        old.shutdown(wait=False, cancel_futures=True)
+        self._batcher: asyncio.Task[None] | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
 
     async def score(self, sample: Sample) -> tuple[float, dict]:
         """Score one sample (batched with whatever else is waiting); never raises for a scorer
         error or timeout: those give reward 0 and `detail["error"]`."""
         if self._batcher is None or self._batcher.done():
             self._batcher = asyncio.create_task(self._batch_loop())
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Scored] = asyncio.get_running_loop().create_future()
         self._queue.append((sample, fut))
         self._wake.set()
         reward, error, secs = await fut
@@ -107,42 +83,19 @@ class RewardService:
                 self._inflight.add(task)
                 task.add_done_callback(self._inflight.discard)
 
-    async def _call(self, items: list[tuple[str, str]], timeout_s: float) -> list[Scored]:
-        self.n_calls += 1
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self.pool, _score_many, self.fn_name, items)
-        return await asyncio.wait_for(fut, timeout_s)
-
-    async def _score_batch(self, batch: list[tuple[Sample, asyncio.Future]]) -> None:
-        items = [(s.output_text, s.answer) for s, _ in batch]
+    async def _score_batch(self, batch: list[tuple[Sample, asyncio.Future[Scored]]]) -> None:
         try:
-            try:
-                results = await self._call(items, self.timeout_s)
-            except asyncio.TimeoutError:
-                self._reset_pool()
-                if len(items) == 1:
-                    results = [(0.0, f"timeout after {self.timeout_s}s", self.timeout_s)]
-                else:  # find the culprit: each item alone, each with the full timeout
-                    results = [await self._score_alone(item) for item in items]
-            except Exception:  # a broken pool (a scorer killed its process, or another batch's
-                # timeout reset it): rebuild, then each item alone so only the culprit scores 0
-                self._reset_pool()
-                results = [await self._score_alone(item) for item in items]
+            results = await self.pool.score([(s.output_text, s.answer) for s, _ in batch])
+        except Exception as e:  # not a scorer's failure (e.g. the pool is closed): the handlers
+            for _, fut in batch:  # waiting on this batch raise it, nothing is acked
+                if not fut.done():
+                    fut.set_exception(e)
+            return
         finally:
             self._calls.release()
         for (_, fut), res in zip(batch, results, strict=True):
             if not fut.done():
                 fut.set_result(res)
-
-    async def _score_alone(self, item: tuple[str, str]) -> Scored:
-        try:
-            return (await self._call([item], self.timeout_s))[0]
-        except asyncio.TimeoutError:
-            self._reset_pool()
-            return (0.0, f"timeout after {self.timeout_s}s", self.timeout_s)
-        except Exception as e:
-            self._reset_pool()
-            return (0.0, f"scoring failed: {type(e).__name__}: {e}", 0.0)
 
     async def handle(self, sample: Sample, lease: Lease) -> None:
         self.meter.start()
@@ -158,7 +111,7 @@ class RewardService:
         self.n_scored += 1
 
     async def run(self, stop: asyncio.Event) -> None:
-        log.info("reward_started", fn=self.fn_name)
+        log.info("reward_started", fn=self.fn_name, timeout_s=self.timeout_s)
         hb = asyncio.create_task(heartbeat_loop(self.bus, self.heartbeat, stop))
         try:
             await self.bus.consume(
@@ -170,15 +123,20 @@ class RewardService:
             )
         finally:
             hb.cancel()
-            if self._batcher is not None:
-                self._batcher.cancel()
-            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.close()
+
+    def close(self) -> None:
+        """Stop batching and kill the scoring processes; idempotent."""
+        if self._batcher is not None:
+            self._batcher.cancel()
+        self.pool.close()
 
     def heartbeat(self) -> dict:
         return {
             "samples": self.n_scored,
             "errors": self.n_errors,
-            "pool_calls": self.n_calls,
+            "pool_calls": self.pool.n_calls,  # samples / pool_calls = the batching achieved
+            "pool_resets": self.pool.n_resets,  # hangs past the backstop, dead scoring processes
             "busy_frac": self.meter.busy_frac(),
             "fn": self.fn_name,
         }

@@ -1,17 +1,16 @@
 """Rollout: pulls tasks, generates G samples each, publishes every finished sample at once.
 
-Invariants:
+The decisions are `areal.core.scheduling.Scheduler` (which requests join the running batch,
+when to switch weights, what a redelivery means); this shell fetches weights, runs the engine in
+a thread, publishes samples and settles leases. The scheduler is shared with the generating
+thread under `_lock`.
+
+Invariants (the scheduling ones are the core's):
 - every generated token carries the behaviour log-prob and the policy version that produced it;
-- a task is never generated with weights older than the version at which it was admitted (the
-  worker waits for that version's announcement first); this makes `max_staleness: 0` truly
-  synchronous;
-- interruptible mode: a new weight version is fetched and verified off the event loop, then handed
-  to the generating thread, which switches at the next token boundary (re-prefilling prompt +
-  partial output); non-interruptible mode stops admitting new work once an update is pending,
-  drains the running batch on the old weights, then switches;
-- new tasks join the running batch at token boundaries (continuous batching), so a long sample
-  never holds back the start of the next ones;
-- a task's prompt message is acknowledged only after all its G samples are published.
+- weights are fetched and verified off the event loop, then handed to the generating thread;
+- a task's message is acked only after all its G samples are published; a redelivery of a task
+  in progress here is adopted (held and acked with it), and a task whose sample cannot be
+  published, or whose generation fails, is handed back (nak) for another attempt.
 """
 
 from __future__ import annotations
@@ -20,28 +19,23 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import structlog
+import torch
 
 from areal.bus.client import Bus, Lease
-from areal.bus.codec import pack, unpack
+from areal.bus.codec import unpack
+from areal.core.scheduling import Joined, Request, Scheduler, SchedulerPolicy
 from areal.engines.base import GenOutput, GenRequest, InferenceEngine, SamplingParams, WeightUpdate
 from areal.services.common import BusyMeter, heartbeat_loop
-from schemas import Sample, Task, WeightAnnouncement
+from areal.services.samples import sample_of
+from schemas import Task, WeightAnnouncement
 from schemas import subjects as S
 
 log = structlog.get_logger()
 
-
-@dataclass
-class _InFlight:
-    task: Task
-    lease: Lease
-    remaining: int
-    done: asyncio.Future
-    t_received: float = field(default_factory=time.time)
+StateDict = dict[str, torch.Tensor]
 
 
 class RolloutService:
@@ -49,123 +43,82 @@ class RolloutService:
         self,
         bus: Bus,
         engine: InferenceEngine,
-        tokenizer,
+        decode_text: Callable[[list[int]], str],
         params: SamplingParams,
         *,
-        interruptible: bool,
+        policy: SchedulerPolicy,
         max_concurrent_tasks: int,
-        weights_from_bytes,
-        interrupt_min_interval_s: float = 0.0,
+        weights_from_bytes: Callable[[bytes], StateDict],
     ) -> None:
-        self.bus, self.engine, self.tokenizer, self.params = bus, engine, tokenizer, params
-        self.interruptible = interruptible
-        self.interrupt_min_interval_s = interrupt_min_interval_s
-        self._last_switch = -float("inf")  # monotonic time of the last mid-batch switch
-        self.max_concurrent_tasks = max_concurrent_tasks
+        self.bus, self.engine, self.decode_text, self.params = bus, engine, decode_text, params
+        self.policy, self.max_concurrent_tasks = policy, max_concurrent_tasks
         self.weights_from_bytes = weights_from_bytes
+        self.sched: Scheduler[Lease, StateDict] = Scheduler(policy, engine.version)
         self._lock = threading.Lock()
-        self._pending: WeightUpdate | None = None
+        self._tasks: dict[str, tuple[Task, float]] = {}  # task id -> (task, received at)
         self._weights_changed = asyncio.Event()
-        self._queue: deque[tuple[_InFlight, GenRequest]] = deque()  # guarded by _lock
         self._queue_changed = asyncio.Event()
-        self._inflight: dict[str, _InFlight] = {}
         self._publishes: set[asyncio.Task] = set()
         self.meter = BusyMeter()
-        self.stats = {
-            "samples": 0,
-            "tokens": 0,
-            "interrupts": 0,
-            "reprefill_tokens": 0,
-            "weight_load_s": 0.0,
-            "weight_loads": 0,
-        }
+        self.stats = dict.fromkeys(("samples", "tokens", "interrupts", "reprefill_tokens"), 0)
+        self.stats |= {"weight_load_s": 0.0, "weight_loads": 0, "adopted_redeliveries": 0}
 
     # ------------------------------------------------------------------ weights
-    @property
-    def known_version(self) -> int:
-        with self._lock:
-            return max(self.engine.version, self._pending.version if self._pending else -1)
-
     async def on_weights(self, ann: WeightAnnouncement) -> None:
-        if ann.version <= self.known_version:
-            return
+        with self._lock:
+            if ann.version <= self.sched.known_version:
+                return
         t0 = time.perf_counter()
         try:
             data = await self.bus.get_weights(ann)
             state = await asyncio.to_thread(self.weights_from_bytes, data)
-        except Exception as e:
+        except Exception as e:  # a bad or vanished version: keep generating, a newer one comes
             log.error("weights_load_failed", version=ann.version, error=str(e))
             return
         with self._lock:
-            if self._pending is None or self._pending.version < ann.version:
-                self._pending = WeightUpdate(version=ann.version, state_dict=state)
+            self.sched.offer_weights(ann.version, state)
         self.stats["weight_load_s"] += time.perf_counter() - t0
         self.stats["weight_loads"] += 1
-        log.info(
-            "weights_fetched",
-            version=ann.version,
-            bytes=ann.nbytes,
-            fetch_s=round(time.perf_counter() - t0, 3),
-        )
+        log.info("weights_fetched", version=ann.version, fetch_s=round(time.perf_counter() - t0, 3))
         self._weights_changed.set()
 
-    def _take_pending(self) -> WeightUpdate | None:
+    async def _await_version(self, version: int, stop: asyncio.Event) -> None:
+        self._weights_changed.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._weights_changed.wait(), 2.0)
         with self._lock:
-            update, self._pending = self._pending, None
-        return update
-
-    def _may_interrupt(self) -> bool:
-        """Mid-batch switches are rate-limited by `interrupt_min_interval_s`: each one re-prefills
-        every running row, which costs more than it saves when versions come very often."""
-        return time.monotonic() - self._last_switch >= self.interrupt_min_interval_s
-
-    def _interrupt(self) -> WeightUpdate | None:
-        """Called by the generating thread at token boundaries (interruptible mode)."""
-        if self._pending is None or not self._may_interrupt():
-            return None
-        update = self._take_pending()
-        if update is not None:
-            self._last_switch = time.monotonic()
-        return update
-
-    async def _apply_pending(self) -> None:
-        update = self._take_pending()
-        if update is not None:
-            await asyncio.to_thread(self.engine.load_weights, update)
-            log.info("weights_loaded", policy_version=update.version)
-
-    async def _wait_for_version(self, version: int, stop: asyncio.Event) -> None:
-        while self.known_version < version and not stop.is_set():
-            self._weights_changed.clear()
-            if self.known_version >= version:
-                break
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._weights_changed.wait(), 2.0)
-            if self.known_version < version:  # missed announcement? ask the stream
-                ann = await self.bus.latest_weights()
-                if ann is not None:
-                    await self.on_weights(ann)
+            missing = self.sched.known_version < version
+        if missing and not stop.is_set():  # a missed announcement? ask the stream
+            ann = await self.bus.latest_weights()
+            if ann is not None:
+                await self.on_weights(ann)
 
     # ------------------------------------------------------------------ tasks
     async def handle(self, task: Task, lease: Lease) -> None:
-        entry = self._inflight.get(task.task_id)
-        if entry is not None:  # redelivery of a task we are still generating
-            await lease.ack()
-            return
-        entry = _InFlight(task, lease, task.group_size, asyncio.get_running_loop().create_future())
-        self._inflight[task.task_id] = entry
-        prompt = unpack(task.prompt_ids).tolist()
+        """File the task; its lease is settled when its samples are published (or it fails)."""
         with self._lock:
-            for i in range(task.group_size):
-                self._queue.append(
-                    (entry, GenRequest(key=f"{task.task_id}/{i}", prompt_ids=prompt))
-                )
+            joined = self.sched.on_task(task.task_id, task.group_size, task.admitted_version, lease)
+            if joined is Joined.NEW:
+                self._tasks[task.task_id] = (task, time.time())
+        if joined is Joined.ADOPTED:
+            self.stats["adopted_redeliveries"] += 1
+            log.warning("task_redelivered_in_progress", task_id=task.task_id)
         self._queue_changed.set()
-        try:
-            await entry.done
-            await lease.ack()
-        finally:
-            self._inflight.pop(task.task_id, None)
+
+    def _poll_requests(self) -> list[GenRequest]:
+        """Generating thread, at token boundaries."""
+        with self._lock:
+            reqs = self.sched.take_requests(time.monotonic())
+            return [GenRequest(key=r.key, prompt_ids=self._prompt(r)) for r in reqs]
+
+    def _prompt(self, r: Request) -> list[int]:
+        return unpack(self._tasks[r.task_id][0].prompt_ids).tolist()
+
+    def _poll_weights(self) -> WeightUpdate | None:
+        """Generating thread, at token boundaries (interruptible mode)."""
+        with self._lock:
+            update = self.sched.switch_at_boundary(time.monotonic())
+        return WeightUpdate(*update) if update is not None else None
 
     def _on_finished(self, loop: asyncio.AbstractEventLoop, out: GenOutput) -> None:
         """Generating thread -> event loop: publish the sample at once."""
@@ -178,97 +131,66 @@ class RolloutService:
 
     async def _publish_sample(self, out: GenOutput) -> None:
         task_id, idx = out.key.rsplit("/", 1)
-        entry = self._inflight.get(task_id)
-        if entry is None or entry.done.done():  # its task failed and was handed back
+        if task_id not in self._tasks:  # its task failed and was handed back
             return
-        task = entry.task
-        text = self.tokenizer.decode(
-            [t for t in out.output_ids if t not in self.params.stop_token_ids],
-            skip_special_tokens=True,
-        )
-        sample = Sample(
-            task_id=task_id,
-            task_seq=task.seq,
-            sample_idx=int(idx),
-            group_size=task.group_size,
-            prompt_ids=task.prompt_ids,
-            output_ids=pack(out.output_ids, "int32"),
-            behav_logp=pack(out.behav_logp, "float32"),
-            versions=pack(out.versions, "int32"),
-            output_text=text,
-            answer=task.answer,
-            metadata=task.metadata,
-            finish_reason=out.finish_reason,
-            worker_id=self.bus.worker_id,
-            n_interrupts=out.n_interrupts,
-            n_reprefill_tokens=out.n_reprefill_tokens,
-            timings={
-                "admitted_at": task.admitted_at,
-                "received_at": entry.t_received,
-                "finished_at": time.time(),
-            },
-        )
+        task, received_at = self._tasks[task_id]
+        text = self.decode_text(out.output_ids)
+        sample = sample_of(task, out, text, worker_id=self.bus.worker_id, received_at=received_at)
         try:
             await self.bus.publish(S.TRAJECTORIES, sample)
-        except Exception as e:
-            if not entry.done.done():
-                entry.done.set_exception(e)
+        except Exception as e:  # hand the task back: another attempt publishes the same ids
+            log.error("sample_publish_failed", task_id=task_id, error=str(e))
+            await self._settle(self.sched.task_failed, task_id, ack=False)
             return
-        self.stats["samples"] += 1
-        self.stats["tokens"] += len(out.output_ids)
+        for k, n in (("samples", 1), ("tokens", len(out.output_ids))):
+            self.stats[k] += n
         self.stats["interrupts"] += out.n_interrupts
         self.stats["reprefill_tokens"] += out.n_reprefill_tokens
-        entry.remaining -= 1
-        if entry.remaining == 0 and not entry.done.done():
-            entry.done.set_result(None)
+        await self._settle(lambda t: self.sched.sample_published(t, int(idx)), task_id, ack=True)
 
-    def _take_requests(self) -> list[GenRequest]:
-        """Generating thread, at token boundaries: queued requests that may start now.
-
-        A request starts only once weights of its task's admission version are loaded (or, when
-        interruptible, about to be loaded at this boundary); with an update pending and
-        interruptible off, nothing new starts, so the running batch drains and the call ends.
-        """
+    async def _settle(self, decide: Callable[[str], list[Lease]], task_id: str, ack: bool) -> None:
         with self._lock:
-            if not self.interruptible and self._pending is not None:
-                return []
-            switching = self._pending is not None and self._may_interrupt()
-            ready_version = max(self.engine.version, self._pending.version if switching else -1)
-            out: list[GenRequest] = []
-            while self._queue and self._queue[0][0].task.admitted_version <= ready_version:
-                out.append(self._queue.popleft()[1])
-            return out
+            leases = decide(task_id)
+            if not self.sched.is_active(task_id):
+                self._tasks.pop(task_id, None)
+        for lease in leases:
+            await (lease.ack() if ack else lease.nak())
 
+    # ------------------------------------------------------------------ generation
     async def _generate_loop(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         while not stop.is_set():
             with self._lock:
-                head = self._queue[0][0] if self._queue else None
-            if head is None:
+                idle, needed = not self.sched.queue, self.sched.needed_version()
+            if idle:
                 self._queue_changed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._queue_changed.wait(), 0.5)
                 continue
-            await self._wait_for_version(head.task.admitted_version, stop)
-            await self._apply_pending()
+            if needed is not None:
+                await self._await_version(needed, stop)
+                continue
+            with self._lock:
+                update = self.sched.switch_between_batches(time.monotonic())
+            if update is not None:
+                await asyncio.to_thread(self.engine.load_weights, WeightUpdate(*update))
+                log.info("weights_loaded", policy_version=update[0])
             self.meter.start()
             try:
                 await asyncio.to_thread(
                     self.engine.generate,
                     [],
-                    self.params,
-                    self._interrupt if self.interruptible else None,
-                    lambda out: self._on_finished(loop, out),
-                    None,
-                    self._take_requests,
+                    params=self.params,
+                    poll_weights=self._poll_weights if self.policy.interruptible else None,
+                    on_finished=lambda out: self._on_finished(loop, out),
+                    poll_requests=self._poll_requests,
                 )
-            except Exception as e:  # engine failure: hand the tasks back (nak), keep running
+            except Exception:  # engine failure: hand every task back (nak), keep running
                 log.exception("generate_failed")
                 with self._lock:
-                    self._queue.clear()
-                for entry in list(self._inflight.values()):
-                    if not entry.done.done():
-                        entry.done.set_exception(RuntimeError(f"generation failed: {e}"))
+                    leases, self._tasks = self.sched.fail_all(), {}
+                for lease in leases:
+                    await lease.nak()
             finally:
                 self.meter.stop()
 
@@ -277,25 +199,23 @@ class RolloutService:
             **self.stats,
             "version": self.engine.version,
             "busy_frac": self.meter.busy_frac(),
-            "inflight_tasks": len(self._inflight),
-            "queued_seqs": len(self._queue),
+            "inflight_tasks": len(self.sched.tasks),
+            "queued_seqs": len(self.sched.queue),
         }
 
     async def run(self, stop: asyncio.Event) -> None:
         sub = await self.bus.subscribe_weights(self.on_weights)
-        log.info(
-            "rollout_started", interruptible=self.interruptible, policy_version=self.engine.version
-        )
-        tasks = [
-            asyncio.create_task(self._generate_loop(stop)),
-            asyncio.create_task(heartbeat_loop(self.bus, self.heartbeat, stop)),
-        ]
+        log.info("rollout_started", policy=vars(self.policy), policy_version=self.engine.version)
+        gen = asyncio.create_task(self._generate_loop(stop))
+        gen.add_done_callback(lambda _: stop.set())  # a generate loop that died stops the worker
+        hb = asyncio.create_task(heartbeat_loop(self.bus, self.heartbeat, stop))
         try:
             await self.bus.consume(
                 S.PROMPTS, Task, self.handle, max_inflight=self.max_concurrent_tasks, stop=stop
             )
         finally:
-            for t in tasks:
-                t.cancel()
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            gen.cancel()
+            hb.cancel()
+            await sub.unsubscribe()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gen  # re-raises the loop's failure, if it failed

@@ -226,3 +226,28 @@ def test_resume_after_ctrl_c_finishes_the_run(tmp_path):
     summary = check_invariants(out, eta=4, B=16)
     assert summary["steps"] == 20
     assert "trainer_resumed" in (out / "logs" / "trainer-0.log").read_text()
+
+
+def test_runs_whose_ids_differ_only_in_dash_or_underscore_share_a_server(tmp_path, nats_url):
+    # Issue 10, bug 1: `run-a` and `run_a` once mapped to the same streams and KV bucket, and
+    # declaring the second rewrote the first's stream subjects. On one server both must finish,
+    # each with its own exact accounting.
+    steps, B = 6, 16
+    procs = {
+        rid: start_run(
+            tmp_path / rid,
+            f"run_id={rid}",
+            f"nats.url={nats_url}",
+            f"train.total_steps={steps}",
+        )
+        for rid in ("run-a", "run_a")
+    }
+    for rid, proc in procs.items():
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, (rid, err.decode()[-3000:])
+    for rid in procs:
+        summary = check_invariants(tmp_path / rid, eta=4, B=B)
+        assert summary["steps"] == steps and summary["trained"] == steps * B, (rid, summary)
+        assert summary["in_flight"] == 0, (rid, summary)
+        returned = summary["dropped_stale"] + summary["filtered"]
+        assert summary["admitted"] == steps * B + returned, (rid, summary)

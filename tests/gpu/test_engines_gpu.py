@@ -21,13 +21,17 @@ def test_vllm_engine_records_logp_and_switches_weights(tmp_path):
 
     from areal.data.tiny_model import build_tiny_model
     from areal.engines.base import GenRequest, SamplingParams, WeightUpdate
+    from areal.engines.config import InferenceEngineConfig
     from areal.engines.factory import make_inference_engine
     from areal.engines.torch_train import export_state_dict
 
     path = build_tiny_model(tmp_path / "m", seed=0)
-    eng = make_inference_engine("vllm", model_path=str(path))
+    eng = make_inference_engine(
+        InferenceEngineConfig(kind="vllm", model_path=str(path), dtype="bfloat16")
+    )
     params = SamplingParams(max_new_tokens=16, temperature=1.0)
-    outs = eng.generate([GenRequest(key=f"r{i}", prompt_ids=[5, 6, 7]) for i in range(4)], params)
+    reqs = [GenRequest(key=f"r{i}", prompt_ids=[5, 6, 7]) for i in range(4)]
+    outs = eng.generate(reqs, params=params)
     assert all(len(o.behav_logp) == len(o.output_ids) == len(o.versions) for o in outs)
     model = AutoModelForCausalLM.from_pretrained(path)
     eng.load_weights(WeightUpdate(version=1, state_dict=export_state_dict(model)))
@@ -43,6 +47,7 @@ def test_deepspeed_engine_single_gpu_step_raises_positive_adv_logp(tmp_path, mon
     from areal.bus.embedded import free_port
     from areal.data.tiny_model import build_tiny_model
     from areal.engines.base import TrainSeq
+    from areal.engines.config import TrainEngineConfig
     from areal.engines.factory import make_train_engine
 
     for k, v in {
@@ -55,12 +60,14 @@ def test_deepspeed_engine_single_gpu_step_raises_positive_adv_logp(tmp_path, mon
         monkeypatch.setenv(k, v)
     path = build_tiny_model(tmp_path / "m", seed=0)
     eng = make_train_engine(
-        "deepspeed",
-        model_path=str(path),
-        lr=1e-3,
-        loss_cfg=PPOLossConfig(),
-        dtype="float32",
-        zero_stage=2,
+        TrainEngineConfig(
+            kind="deepspeed",
+            model_path=str(path),
+            lr=1e-3,
+            loss_cfg=PPOLossConfig(),
+            dtype="float32",
+            zero_stage=2,
+        )
     )
 
     def seq(adv: float) -> TrainSeq:
@@ -79,3 +86,4 @@ def test_deepspeed_engine_single_gpu_step_raises_positive_adv_logp(tmp_path, mon
     after = sum(float(x.sum()) for x in eng.compute_logp(seqs, 1024))
     assert eng.version == 1 and stats["n_tokens"] > 0
     assert after > before
+    assert stats["entropy"] > 0.0 and stats["approx_kl"] >= 0.0

@@ -1,23 +1,43 @@
-"""The bus against a real nats-server: de-duplication, leases, dead letters, weights."""
+"""The bus against a real nats-server: de-duplication, leases, dead letters, weights, typed
+run state, events. Raw protocol (garbage payloads, plain subscriptions) goes through a client
+of the test's own (`raw_client`): the bus hands out no nats object."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
+import nats.errors
 import pytest
+from nats.aio.client import Client
+from nats.js.errors import NotFoundError
+from pydantic import BaseModel
 
+from areal.bus import StateDecodeError
 from areal.bus.client import Bus, MessageTooLarge
 from areal.bus.codec import decode
-from areal.bus.streams import BusOptions
-from schemas import DeadLetter, Sample, Task, WeightAnnouncement
+from areal.bus.connection import connect
+from areal.config import NatsSettings
+from schemas import DeadLetter, Event, Sample, Task, WeightAnnouncement
 from schemas import subjects as S
-from tests.factories import make_sample
+from tests.factories import make_sample, make_task
 
 pytestmark = pytest.mark.integration
 
 
-async def make_bus(url, run_id, role="test", **opts) -> Bus:
-    return await Bus.connect(url, run_id, role, f"{role}-0", BusOptions(**opts))
+async def make_bus(url, run_id, role="test", **nats) -> Bus:
+    return await Bus.connect(url, run_id, role, f"{role}-0", NatsSettings(**nats))
+
+
+@asynccontextmanager
+async def raw_client(url: str) -> AsyncIterator[Client]:
+    """A plain nats connection of the test's own (to publish garbage, subscribe, inspect)."""
+    nc = await connect(url, "test-raw")
+    try:
+        yield nc
+    finally:
+        await nc.close()
 
 
 async def wait_for(pred, timeout=10.0):
@@ -33,8 +53,7 @@ async def test_publish_is_deduplicated_by_msg_id(nats_url, run_id):
     s = make_sample()
     for _ in range(3):
         await bus.publish(S.TRAJECTORIES, s)
-    info = await bus.js.stream_info(bus.names.stream(S.TRAJECTORIES))
-    assert info.state.messages == 1
+    assert await bus.stream_depth(S.TRAJECTORIES) == 1
     await bus.close()
 
 
@@ -59,8 +78,7 @@ async def test_consume_acks_and_handles_each_message_once(nats_url, run_id):
     stop.set()
     await consumer
     assert len(set(seen)) == 5
-    info = await bus.js.stream_info(bus.names.stream(S.TRAJECTORIES))
-    assert info.state.messages == 0  # work queue: acked messages are gone
+    assert await bus.stream_depth(S.TRAJECTORIES) == 0  # work queue: acked messages are gone
     await bus.close()
 
 
@@ -71,13 +89,18 @@ async def test_malformed_message_goes_to_dead_letter_and_worker_keeps_running(
     nats_url, run_id, stage, cls
 ):
     bus = await make_bus(nats_url, run_id)
-    watcher = await make_bus(nats_url, run_id, role="watch")
+    async with raw_client(nats_url) as raw:
+        await _poison_goes_to_dlq(bus, raw, stage, cls)
+    await bus.close()
+
+
+async def _poison_goes_to_dlq(bus: Bus, raw: Client, stage: str, cls: type) -> None:
     dead: list[DeadLetter] = []
 
     async def on_dlq(msg):
         dead.append(decode(msg.data, DeadLetter))
 
-    await watcher.nc.subscribe(bus.names.dlq_subject(stage), cb=on_dlq)
+    await raw.subscribe(bus.names.dlq_subject(stage), cb=on_dlq)
     handled: list[str] = []
     stop = asyncio.Event()
 
@@ -87,21 +110,8 @@ async def test_malformed_message_goes_to_dead_letter_and_worker_keeps_running(
 
     consumer = asyncio.create_task(bus.consume(stage, cls, handler, max_inflight=4, stop=stop))
     # published by hand, as a person with the nats CLI would
-    await bus.js.publish(bus.names.subject(stage), b"this is not msgpack")
-    good = (
-        make_sample()
-        if cls is Sample
-        else Task(
-            task_id="t-good",
-            seq=0,
-            dataset_index=0,
-            prompt="1+1=",
-            prompt_ids=make_sample().prompt_ids,
-            answer="2",
-            group_size=2,
-            admitted_version=0,
-        )
-    )
+    await raw.jetstream().publish(bus.names.subject(stage), b"this is not msgpack")
+    good = make_sample() if cls is Sample else make_task()
     await bus.publish(stage, good)
     await wait_for(lambda: dead and handled)
     assert dead[0].stage == stage and "not msgpack" in dead[0].reason
@@ -110,20 +120,24 @@ async def test_malformed_message_goes_to_dead_letter_and_worker_keeps_running(
     assert not consumer.done()
     stop.set()
     await consumer
-    info = await bus.js.stream_info(bus.names.stream(stage))
-    assert info.state.messages == 0  # the poison message was removed, not redelivered forever
-    await bus.close()
-    await watcher.close()
+    assert await bus.stream_depth(stage) == 0  # the poison was removed, not redelivered forever
+    assert await bus.stream_depth(S.DLQ) == 1
 
 
 async def test_failing_handler_is_retried_then_dead_lettered(nats_url, run_id):
     bus = await make_bus(nats_url, run_id, max_deliver=2)
+    async with raw_client(nats_url) as raw:
+        await _handler_failures_dead_letter(bus, raw)
+    await bus.close()
+
+
+async def _handler_failures_dead_letter(bus: Bus, raw: Client) -> None:
     dead: list[DeadLetter] = []
 
     async def on_dlq(m):
         dead.append(decode(m.data, DeadLetter))
 
-    await bus.nc.subscribe(bus.names.dlq_subject(S.TRAJECTORIES), cb=on_dlq)
+    await raw.subscribe(bus.names.dlq_subject(S.TRAJECTORIES), cb=on_dlq)
     attempts: list[int] = []
     stop = asyncio.Event()
 
@@ -140,7 +154,6 @@ async def test_failing_handler_is_retried_then_dead_lettered(nats_url, run_id):
     assert "scorer exploded" in dead[0].reason
     stop.set()
     await consumer
-    await bus.close()
 
 
 async def test_lease_heartbeat_prevents_redelivery_of_long_work(nats_url, run_id):
@@ -212,7 +225,7 @@ async def test_weights_roundtrip_and_digest_check(nats_url, run_id):
 async def test_oversized_message_is_refused_with_a_clear_error(nats_url, run_id):
     bus = await make_bus(nats_url, run_id)
     with pytest.raises(MessageTooLarge, match="max_payload"):
-        await bus.publish_raw(bus.names.subject(S.TRAJECTORIES), b"x" * (bus.nc.max_payload + 1))
+        await bus.publish_raw(bus.names.subject(S.TRAJECTORIES), b"x" * (bus.max_payload + 1))
     await bus.close()
 
 
@@ -223,4 +236,73 @@ async def test_weights_through_a_shared_directory(nats_url, run_id, tmp_path):
     assert ann.uri == f"file://{tmp_path.resolve()}/v4.safetensors"
     assert await bus.get_weights(ann) == bytes([4]) * 1000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v3.safetensors", "v4.safetensors"]
+    await bus.close()
+
+
+async def test_latest_weights_is_none_only_before_the_first_announcement(nats_url, run_id):
+    """Bug 3: a failed lookup used to read as "no weights yet" (and a restoring trainer then
+    started over from its initial weights)."""
+    bus = await make_bus(nats_url, run_id)
+    assert await bus.latest_weights() is None  # a fresh run: nothing announced
+    ann = await bus.put_weights(3, b"w" * 100, "float32", step=3)
+    assert await bus.latest_weights() == ann
+    async with raw_client(nats_url) as raw:
+        await raw.jetstream().delete_stream(bus.names.stream(S.WEIGHTS))
+    with pytest.raises(NotFoundError, match="stream not found"):
+        await bus.latest_weights()  # the weights stream is gone: an error, not "no weights"
+    await bus.close()
+    with pytest.raises(nats.errors.ConnectionClosedError):
+        await bus.latest_weights()
+
+
+class _Counter(BaseModel):
+    admitted: int
+    note: str = ""
+
+
+async def test_run_state_is_typed_and_a_bad_value_is_an_error(nats_url, run_id):
+    bus = await make_bus(nats_url, run_id)
+    assert await bus.kv_get("controller", _Counter) is None  # never written
+    await bus.kv_put("controller", _Counter(admitted=3, note="x"))
+    assert await bus.kv_get("controller", _Counter) == _Counter(admitted=3, note="x")
+    async with raw_client(nats_url) as raw:  # a value of another shape, written by hand
+        kv = await raw.jetstream().key_value(bus.names.state_bucket)
+        await kv.put("controller", b'{"admitted": "three"}')
+    with pytest.raises(StateDecodeError, match=rf"'controller'.*{bus.names.state_bucket}"):
+        await bus.kv_get("controller", _Counter)  # never None for a value that is there
+    await bus.close()
+
+
+async def test_kv_watch_reports_writes_after_it_started(nats_url, run_id):
+    bus = await make_bus(nats_url, run_id)
+    await bus.kv_put("trainer", _Counter(admitted=1))
+    watch = await bus.kv_watch("trainer")
+    assert await watch.wait(0.3) is False  # the value current at the start is not a change
+    await bus.kv_put("trainer", _Counter(admitted=2))
+    assert await watch.wait(10.0) is True
+    assert await watch.wait(0.3) is False  # one write, reported once
+    await bus.kv_put("other", _Counter(admitted=9))  # another key: not this watch's business
+    assert await watch.wait(0.3) is False
+    await watch.stop()
+    assert await watch.wait(0.3) is False
+    await bus.close()
+
+
+async def test_subscribe_events_delivers_typed_events_and_skips_garbage(nats_url, run_id):
+    bus = await make_bus(nats_url, run_id)
+    got: list[Event] = []
+
+    async def on_event(ev: Event) -> None:
+        got.append(ev)
+
+    sub = await bus.subscribe_events("run_finished", on_event)
+    async with raw_client(nats_url) as raw:
+        await raw.publish(bus.names.events_subject("run_finished"), b"not an event")
+        await raw.flush()
+    await bus.event("task_dropped", task_id="t1")  # another kind: not delivered here
+    await bus.event("run_finished", step=7)
+    await wait_for(lambda: got)
+    assert [(e.type, e.detail) for e in got] == [("run_finished", {"step": 7})]
+    await sub.unsubscribe()
+    assert await bus.stream_depth(S.EVENTS) == 3  # all three were stored in the events stream
     await bus.close()

@@ -17,9 +17,12 @@ from transformers import AutoModelForCausalLM
 
 from areal.bus.client import Bus
 from areal.bus.codec import decode, pack, unpack
+from areal.bus.connection import connect
+from areal.core.scheduling import SchedulerPolicy
 from areal.data.tiny_model import build_tiny_model
 from areal.data.tokenizer import load_tokenizer
 from areal.engines.base import SamplingParams
+from areal.engines.config import InferenceEngineConfig
 from areal.engines.torch_infer import TorchInferenceEngine, weights_from_safetensors
 from areal.engines.torch_train import export_state_dict
 from areal.services.rollout import RolloutService
@@ -59,14 +62,14 @@ async def run_one_sample(nats_url, run_id, model_dir, interruptible: bool):
             p.add_(torch.randn_like(p) * 0.05)
     tok = load_tokenizer(model_dir)
     bus = await Bus.connect(nats_url, run_id, "rollout", "rollout-0")
-    engine = SlowEngine(str(model_dir), seed=0)
+    engine = SlowEngine(InferenceEngineConfig(kind="torch", model_path=str(model_dir), seed=0))
     params = SamplingParams(max_new_tokens=N_TOKENS, temperature=1.0, stop_token_ids=())
     svc = RolloutService(
         bus,
         engine,
-        tok,
+        lambda ids: tok.decode(ids),
         params,
-        interruptible=interruptible,
+        policy=SchedulerPolicy(interruptible=interruptible),
         max_concurrent_tasks=1,
         weights_from_bytes=weights_from_safetensors,
     )
@@ -75,7 +78,8 @@ async def run_one_sample(nats_url, run_id, model_dir, interruptible: bool):
     async def on_sample(msg):
         samples.append(decode(msg.data, Sample))
 
-    await bus.nc.subscribe(bus.names.subject(S.TRAJECTORIES), cb=on_sample)
+    raw = await connect(nats_url, "test-raw")  # the bus hands out no nats object
+    await raw.subscribe(bus.names.subject(S.TRAJECTORIES), cb=on_sample)
     stop = asyncio.Event()
     runner = asyncio.create_task(svc.run(stop))
     prompt = tok.encode("12+34=", add_special_tokens=False)
@@ -103,6 +107,7 @@ async def run_one_sample(nats_url, run_id, model_dir, interruptible: bool):
     stop.set()
     await runner
     await bus.close()
+    await raw.close()
     s = samples[0]
     return s, prompt, old, new
 

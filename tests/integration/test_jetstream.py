@@ -18,11 +18,11 @@ from structlog.testing import capture_logs
 
 from areal.bus import client
 from areal.bus.codec import encode
-from areal.bus.jetstream import PullInbox
+from areal.bus.jetstream import PublishAcks, PullInbox
 from schemas import Sample
 from schemas import subjects as S
 from tests.factories import make_sample
-from tests.integration.test_bus import make_bus, wait_for
+from tests.integration.test_bus import make_bus, raw_client, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -158,9 +158,13 @@ def _status(code: str, pending: int | None, desc: str = "Request Timeout") -> Ms
     return Msg(_client=None, subject="_INBOX.x", data=b"", headers=headers)
 
 
-async def test_status_messages_release_what_their_request_did_not_deliver(nats_url, run_id):
-    bus = await make_bus(nats_url, run_id)
-    pull = PullInbox(bus.nc, "S", "c", batch_cap=8, max_bytes=1 << 20, expires_s=5.0)
+async def test_status_messages_release_what_their_request_did_not_deliver(nats_url):
+    async with raw_client(nats_url) as raw:
+        await _status_accounting(raw)
+
+
+async def _status_accounting(raw) -> None:
+    pull = PullInbox(raw, "S", "c", batch_cap=8, max_bytes=1 << 20, expires_s=5.0)
     await pull.top_up(max_inflight=8)  # asks for 8 (no consumer behind it: nothing arrives)
     assert pull.outstanding == 8
     await pull.top_up(max_inflight=8)
@@ -182,31 +186,36 @@ async def test_status_messages_release_what_their_request_did_not_deliver(nats_u
     pull.last_expiry = time.monotonic() - 10  # its 408 was lost (e.g. a reconnect)
     await pull.top_up(max_inflight=8)
     assert pull.outstanding == 8  # reset, then asked again for all there is room for
-    await bus.close()
 
 
 async def test_publish_ack_returns_the_stream_sequence(nats_url, run_id):
-    bus = await make_bus(nats_url, run_id)
+    bus = await make_bus(nats_url, run_id)  # declares the run's streams
     subject = bus.names.subject(S.TRAJECTORIES)
-    seqs = [await bus._acks.publish(subject, b"x", None, 5.0) for _ in range(3)]
-    assert seqs == [1, 2, 3]
-    # the same Nats-Msg-Id twice: stored once, acked both times with the first sequence
-    dup = [await bus._acks.publish(subject, b"y", {"Nats-Msg-Id": "m1"}, 5.0) for _ in range(2)]
-    assert dup == [4, 4]
+    async with raw_client(nats_url) as raw:
+        acks = PublishAcks(raw)
+        await acks.start()
+        seqs = [await acks.publish(subject, b"x", None, 5.0) for _ in range(3)]
+        assert seqs == [1, 2, 3]
+        # the same Nats-Msg-Id twice: stored once, acked both times with the first sequence
+        dup = [await acks.publish(subject, b"y", {"Nats-Msg-Id": "m1"}, 5.0) for _ in range(2)]
+        assert dup == [4, 4]
     await bus.close()
 
 
 async def test_publish_ack_errors(nats_url, run_id):
-    bus = await make_bus(nats_url, run_id)
-    with pytest.raises(nats.errors.NoRespondersError):  # no stream listens on the subject
-        await bus._acks.publish(f"nostream.{run_id}", b"x", None, 5.0)
-    with pytest.raises(nats.js.errors.APIError):  # the stream refuses it
-        await bus._acks.publish(
-            bus.names.subject(S.TRAJECTORIES), b"x", {"Nats-Expected-Stream": "other"}, 5.0
-        )
-    silent = await bus.nc.subscribe(f"silent.{run_id}")  # a responder that never answers
-    with pytest.raises(nats.errors.TimeoutError):
-        await bus._acks.publish(f"silent.{run_id}", b"x", None, 0.3)
-    await silent.unsubscribe()
-    assert not bus._acks._waiting  # nothing left behind by the failures
+    bus = await make_bus(nats_url, run_id)  # declares the run's streams
+    async with raw_client(nats_url) as raw:
+        acks = PublishAcks(raw)
+        await acks.start()
+        with pytest.raises(nats.errors.NoRespondersError):  # no stream listens on the subject
+            await acks.publish(f"nostream.{run_id}", b"x", None, 5.0)
+        with pytest.raises(nats.js.errors.APIError):  # the stream refuses it
+            await acks.publish(
+                bus.names.subject(S.TRAJECTORIES), b"x", {"Nats-Expected-Stream": "other"}, 5.0
+            )
+        await raw.subscribe(f"silent.{run_id}")  # a responder that never answers
+        await raw.flush()
+        with pytest.raises(nats.errors.TimeoutError):
+            await acks.publish(f"silent.{run_id}", b"x", None, 0.3)
+        assert not acks._waiting  # nothing left behind by the failures
     await bus.close()

@@ -7,13 +7,16 @@ import asyncio
 import json
 
 import pytest
+from pydantic import BaseModel
 
 from areal.bus.client import Bus
-from areal.bus.tap import TapClient, discover_run
+from areal.bus.embedded import EmbeddedNats
+from areal.bus.tap import TapClient, discover_run, list_runs
 from areal.cli import main
 from schemas import MetricRecord
 from schemas import subjects as S
 from tests.factories import make_sample
+from tests.integration.test_bus import raw_client
 
 pytestmark = pytest.mark.integration
 
@@ -77,8 +80,10 @@ async def test_work_queue_history_is_a_peek_that_consumes_nothing(nats_url, run_
     )
     assert rc == 0
     assert [line.split()[1] for line in lines] == [f"{run_id}-t1/1", f"{run_id}-t2/1"]
-    info = await bus.js.stream_info(bus.names.stream(S.TRAJECTORIES))
-    assert info.state.messages == 3 and info.state.consumer_count == 1  # still all there
+    client = await TapClient.connect(nats_url, run_id)
+    stats = (await client.stream_stats())[S.TRAJECTORIES]
+    await client.close()
+    assert stats.messages == 3 and stats.consumers == 1  # still all there, no consumer added
     await bus.close()
 
 
@@ -114,7 +119,7 @@ async def test_unknown_run_and_stream_errors_name_the_fix(nats_url, run_id, caps
 async def test_stream_stats_and_kv_state(nats_url, run_id):
     bus = await Bus.connect(nats_url, run_id, "controller", "controller-0")
     await bus.publish(S.PROMPTS, make_sample())  # any payload: stats only count
-    await bus.kv_put("controller", {"admitted": 3, "cursor": 3})
+    await bus.kv_put("controller", _ControllerState(admitted=3, cursor=3))
     await bus.publish_raw(bus.names.dlq_subject("rewards"), b"x")
     client = await TapClient.connect(nats_url, run_id)
     stats = await client.stream_stats()
@@ -124,6 +129,32 @@ async def test_stream_stats_and_kv_state(nats_url, run_id):
     assert (await client.kv_state()) == {"controller": {"admitted": 3, "cursor": 3}}
     await client.close()
     await bus.close()
+
+
+class _ControllerState(BaseModel):
+    """Any pydantic model: the tap reads the bucket back as JSON objects."""
+
+    admitted: int
+    cursor: int
+
+
+async def test_discover_run_reads_run_ids_back_from_stream_names(tmp_path):
+    """`list_runs` inverts `RunNames.stream`: ids with `-` and `_` come back as they are, and a
+    stream with an areal-looking name but foreign subjects is not taken for a run."""
+    with EmbeddedNats(store_dir=tmp_path / "nats") as server:
+        buses = [await Bus.connect(server.url, rid, "trainer", "t-0") for rid in ("run-a", "run_a")]
+        async with raw_client(server.url) as raw:
+            js = raw.jetstream()
+            assert await list_runs(raw) == ["run-a", "run_a"]
+            await js.add_stream(name="AREAL_LOOKS-LIKE_METRICS", subjects=["elsewhere.>"])
+            assert await list_runs(raw) == ["run-a", "run_a"]
+            for name in ("AREAL_RUN-A_PROMPTS", "AREAL_RUN-A_TRAJECTORIES", "AREAL_RUN-A_REWARDS"):
+                await js.delete_stream(name)  # a run is found by its metrics stream
+            await js.delete_stream("AREAL_RUN_A_METRICS")
+            assert await list_runs(raw) == ["run-a"]
+        assert await discover_run(server.url) == "run-a"
+        for bus in buses:
+            await bus.close()
 
 
 def test_metric_record_time_is_what_state_uses():

@@ -69,10 +69,8 @@ async def _run_with_tap(url: str, run_id: str, out: Path) -> TappedRun:
     log, _ = await asyncio.wait_for(proc.communicate(), 800)
     assert proc.returncode == 0, log.decode()[-3000:]
     await asyncio.sleep(0.5)  # let the last core deliveries land
-    consumers = {
-        s: (await client.js.stream_info(client.names.stream(s))).state.consumer_count
-        for s in S.WORK_QUEUE_STREAMS
-    }
+    stats = await client.stream_stats()
+    consumers = {s: stats[s].consumers for s in S.WORK_QUEUE_STREAMS}
     await client.close()
     return TappedRun(
         run_id,

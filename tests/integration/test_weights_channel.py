@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from areal.bus.weights import CHUNK_BYTES, THREAD_NAME, WeightsChannel, transfer_timeout_s
-from tests.integration.test_bus import make_bus
+from tests.integration.test_bus import make_bus, raw_client
 
 pytestmark = pytest.mark.integration
 
@@ -24,11 +24,13 @@ async def test_weights_move_on_their_own_connection_in_chunks(nats_url, run_id):
     ann = await trainer.put_weights(7, data, "float32", step=7)
     got = await rollout.get_weights(ann)
     assert got == data
-    info = await (await trainer.js.object_store(trainer.names.weights_bucket)).get_info("v7")
+    async with raw_client(nats_url) as raw:
+        obs = await raw.jetstream().object_store(trainer.names.weights_bucket)
+        info = await obs.get_info("v7")
     assert info.chunks == 4 and info.size == len(data)
     # the workers' own connections carried the announcement, not the bytes
-    assert trainer.nc.stats["out_bytes"] < len(data) // 10
-    assert rollout.nc.stats["in_bytes"] < len(data) // 10
+    assert trainer.connection_stats().out_bytes < len(data) // 10
+    assert rollout.connection_stats().in_bytes < len(data) // 10
     assert len(_channel_threads()) >= 2  # one per worker that moved weights
     await trainer.close()
     await rollout.close()

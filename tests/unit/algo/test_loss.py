@@ -11,8 +11,10 @@ from areal.algo.loss import (
     PPOLossConfig,
     PPOLossOutput,
     loglinear_prox_logp,
+    loss_stat_sums,
     ppo_loss,
     reduce_loss_stats,
+    stats_from_sums,
 )
 
 LN = math.log
@@ -52,7 +54,7 @@ def reference_loop(
         pg_loss2 = -adv[t] * min(max(ratio, 1 - cfg.eps_clip_low), 1 + cfg.eps_clip_high)
         clipped += pg_loss2 > pg_loss1
         total += w * max(pg_loss1, pg_loss2)
-        kl += old - logp[t]
+        kl += (ratio - 1) - math.log(ratio)  # k3
     return {
         "loss": total / denom,
         "n_tokens": n_tokens,
@@ -71,7 +73,12 @@ def test_hand_worked_three_tokens() -> None:
     # t1: u = 1.5, w = 1, A = 2  -> min(3.0, 1.2 * 2 = 2.4) = 2.4   -> pg = -2.4   (clipped)
     # t2: u = 0.5, w = 2, A = -1 -> min(-0.5, 0.8 * -1 = -0.8)      -> pg = -2 * -0.8 = 1.6 (clipped)
     # loss = (-1.1 - 2.4 + 1.6) / 3 = -1.9 / 3
-    # approx_kl_sum = (0 - ln 1.1) + (0 - ln 1.5) + (0 - ln 0.5) = 0.192372...
+    # approx_kl_sum (k3 = (r - 1) - ln r, r = u):
+    #   t0: 0.1 - ln 1.1 = 0.1 - 0.0953102 = 0.0046898
+    #   t1: 0.5 - ln 1.5 = 0.5 - 0.4054651 = 0.0945349
+    #   t2: -0.5 - ln 0.5 = -0.5 + 0.6931472 = 0.1931472
+    #   sum = 0.2923719 (the old k1 sum, -ln 1.1 - ln 1.5 - ln 0.5 = 0.1923719, is smaller)
+    # entropy (given 0.5, 1.0, 1.5 per token) sums over the mask to 3.0
     logp = t64(LN(1.1), LN(1.5), LN(0.5))
     prox = t64(0.0, 0.0, 0.0)
     behav = t64(0.0, 0.0, LN(0.5))
@@ -83,11 +90,13 @@ def test_hand_worked_three_tokens() -> None:
         torch.ones(3, dtype=torch.bool),
         PPOLossConfig(),
         3.0,
+        entropy=t64(0.5, 1.0, 1.5),
     )
     assert out.loss.item() == pytest.approx(-1.9 / 3)
     assert (out.n_tokens, out.n_kept, out.n_imp_masked) == (3, 3, 0)
     assert out.clip_count == 2
-    assert out.approx_kl_sum == pytest.approx(-LN(1.1) - LN(1.5) - LN(0.5))
+    assert out.approx_kl_sum == pytest.approx(0.2923719, abs=1e-7)
+    assert out.entropy_sum == pytest.approx(3.0)
     assert out.imp_weight_sum == pytest.approx(4.0)  # 1 + 1 + 2
     assert out.imp_weight_max == pytest.approx(2.0)
 
@@ -177,7 +186,9 @@ def test_not_decoupled_is_standard_ppo() -> None:
     )  # fmt: skip
     assert out.loss.item() == pytest.approx(-1.1)
     assert out.imp_weight_sum == 1.0 and out.imp_weight_max == 1.0 and out.n_imp_masked == 0
-    assert out.approx_kl_sum == pytest.approx(-LN(1.1))  # behav - logp
+    # k3 against behav: r = 1.1 -> 0.1 - ln 1.1 = 0.0046898 (k1 would be -0.0953, negative)
+    assert out.approx_kl_sum == pytest.approx(0.1 - LN(1.1))
+    assert out.approx_kl_sum == pytest.approx(0.0046898, abs=1e-7)
 
 
 def test_decoupled_equals_standard_when_prox_is_behav() -> None:
@@ -308,14 +319,16 @@ def test_micro_batches_add_up_to_batch_mean() -> None:
 def test_reduce_loss_stats_hand_values() -> None:
     # kept 3 + 1 = 4, clip 1 + 1 = 2 -> clipfrac 0.5; kl (0.4 + 0.2) / 4 = 0.15
     # tokens 4 + 2 = 6, w sum (4 + 8) / 6 = 2; masked 0 + 1 -> 1/6; max(2, 7) = 7
-    a = PPOLossOutput(torch.tensor(-0.25), 4, 3, 1.0, 0.4, 4.0, 2.0, 0)
-    b = PPOLossOutput(torch.tensor(0.5), 2, 1, 1.0, 0.2, 8.0, 7.0, 1)
+    # entropy per masked token (not per kept): (2.4 + 0.6) / 6 = 0.5
+    a = PPOLossOutput(torch.tensor(-0.25), 4, 3, 1.0, 0.4, 4.0, 2.0, 0, entropy_sum=2.4)
+    b = PPOLossOutput(torch.tensor(0.5), 2, 1, 1.0, 0.2, 8.0, 7.0, 1, entropy_sum=0.6)
     stats = reduce_loss_stats([a, b])
     assert stats == pytest.approx(
         {
             "loss": 0.25,
             "clipfrac": 0.5,
             "approx_kl": 0.15,
+            "entropy": 0.5,
             "behav_imp_weight_mean": 2.0,
             "behav_imp_weight_max": 7.0,
             "behav_imp_weight_masked_frac": 1 / 6,
@@ -324,11 +337,76 @@ def test_reduce_loss_stats_hand_values() -> None:
     )
 
 
+def test_stats_from_sums_is_reduce_of_the_totals() -> None:
+    # what ranks do: sum the totals, then divide once (not a mean of per-rank ratios)
+    a = PPOLossOutput(torch.tensor(-0.25), 4, 3, 1.0, 0.4, 4.0, 2.0, 0, entropy_sum=2.4)
+    b = PPOLossOutput(torch.tensor(0.5), 2, 1, 1.0, 0.2, 8.0, 7.0, 1, entropy_sum=0.6)
+    sa, sb = loss_stat_sums([a]), loss_stat_sums([b])
+    summed = {k: sa[k] + sb[k] for k in sa}
+    assert stats_from_sums(summed, max(2.0, 7.0)) == pytest.approx(reduce_loss_stats([a, b]))
+
+
+def test_k3_approx_kl_hand_values_and_sign() -> None:
+    # Two tokens drawn with equal weight from the old policy q = (0.5, 0.5); current p = (0.8, 0.2):
+    #   token A: r = 0.8 / 0.5 = 1.6 -> k3 = 0.6 - ln 1.6 = 0.6 - 0.4700036 = 0.1299964
+    #   token B: r = 0.2 / 0.5 = 0.4 -> k3 = -0.6 - ln 0.4 = -0.6 + 0.9162907 = 0.3162907
+    #   mean = 0.2231436 = KL(q || p) = 0.5 ln(0.5 / 0.8) + 0.5 ln(0.5 / 0.2) exactly (unbiased)
+    # k1 for token A alone would be ln 0.5 - ln 0.8 = -0.47 < 0; k3 is >= 0 token by token.
+    logp, old = t64(LN(0.8), LN(0.2)), t64(LN(0.5), LN(0.5))
+    cfg = PPOLossConfig(eps_clip_low=10.0, eps_clip_high=10.0)
+    out = ppo_loss(logp, old, old, t64(1.0, 1.0), torch.ones(2), cfg, 2.0)
+    assert out.approx_kl_sum / out.n_kept == pytest.approx(0.2231436, abs=1e-7)
+    assert reduce_loss_stats([out])["approx_kl"] == pytest.approx(
+        0.5 * LN(0.5 / 0.8) + 0.5 * LN(0.5 / 0.2)
+    )
+    only_a = ppo_loss(logp[:1], old[:1], old[:1], t64(1.0), torch.ones(1), cfg, 1.0)
+    assert only_a.approx_kl_sum == pytest.approx(0.1299964, abs=1e-7)
+
+
+def test_k3_is_nonnegative_and_zero_on_policy() -> None:
+    g = torch.Generator().manual_seed(6)
+    logp = -torch.rand(200, generator=g, dtype=torch.float64) * 4
+    old = logp + torch.randn(200, generator=g, dtype=torch.float64)
+    out = ppo_loss(logp, old, old, torch.ones(200, dtype=torch.float64), torch.ones(200),
+                   PPOLossConfig(), 200.0)  # fmt: skip
+    assert out.approx_kl_sum > 0.0
+    for t in range(200):  # per token
+        one = ppo_loss(logp[t : t + 1], old[t : t + 1], old[t : t + 1], t64(1.0), torch.ones(1),
+                       PPOLossConfig(), 1.0)  # fmt: skip
+        assert one.approx_kl_sum >= 0.0
+    same = ppo_loss(logp, logp, logp, torch.ones(200, dtype=torch.float64), torch.ones(200),
+                    PPOLossConfig(), 200.0)  # fmt: skip
+    assert same.approx_kl_sum == 0.0
+
+
+def test_entropy_is_summed_over_the_mask_including_capped_tokens() -> None:
+    # t0 in mask, kept; t1 in mask but dropped by the cap (w = 10 > 5); t2 outside the mask
+    # (entropy NaN there must not leak): entropy_sum = 1.25 + 0.75 = 2.0 over 2 masked tokens
+    out = ppo_loss(
+        t64(0.0, 0.0, 0.0),
+        t64(0.0, 0.0, 0.0),
+        t64(0.0, LN(0.1), 0.0),
+        t64(1.0, 1.0, 1.0),
+        t64(1.0, 1.0, 0.0),
+        PPOLossConfig(),
+        2.0,
+        entropy=t64(1.25, 0.75, float("nan")),
+    )
+    assert (out.n_tokens, out.n_kept) == (2, 1)
+    assert out.entropy_sum == pytest.approx(2.0)
+    assert reduce_loss_stats([out])["entropy"] == pytest.approx(1.0)
+    no_entropy = ppo_loss(
+        t64(0.0), t64(0.0), t64(0.0), t64(1.0), torch.ones(1), PPOLossConfig(), 1.0
+    )
+    assert no_entropy.entropy_sum == 0.0
+
+
 def test_reduce_loss_stats_empty_and_zero_tokens() -> None:
     keys = {
         "loss",
         "clipfrac",
         "approx_kl",
+        "entropy",
         "behav_imp_weight_mean",
         "behav_imp_weight_max",
         "behav_imp_weight_masked_frac",
@@ -354,6 +432,9 @@ def test_rejects_bad_shapes_and_denominator() -> None:
         )
     with pytest.raises(ValueError):
         ppo_loss(t64(0.0), t64(0.0), t64(0.0), t64(1.0), torch.ones(1), PPOLossConfig(), 0.0)
+    with pytest.raises(ValueError, match="entropy"):
+        ppo_loss(t64(0.0), t64(0.0), t64(0.0), t64(1.0), torch.ones(1), PPOLossConfig(), 1.0,
+                 entropy=t64(0.0, 0.0))  # fmt: skip
 
 
 def test_loglinear_prox_logp_hand_values() -> None:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal.data.tasks import ArithmeticTask
-from areal.data.warm_start import ensure_warm_model, evaluate_accuracy
+from areal.data.warm_start import cache_root, ensure_warm_model, evaluate_accuracy
 
 
 def test_build_load_and_reuse(tmp_path):
@@ -32,12 +33,19 @@ def test_build_load_and_reuse(tmp_path):
     assert evaluate_accuracy(path, ArithmeticTask(), n=16, temperature=1.0, seed=0) == acc
 
 
-def test_cache_key_separates_recipes(tmp_path, monkeypatch):
-    monkeypatch.setenv("AREAL_CACHE_DIR", str(tmp_path))
-    a = ensure_warm_model(sft_steps=0, seed=0)
-    b = ensure_warm_model(sft_steps=0, seed=1)
-    c = ensure_warm_model(sft_steps=0, seed=0, task_kwargs={"max_digits": 1})
+def test_cache_key_separates_recipes(tmp_path):
+    a = ensure_warm_model(sft_steps=0, seed=0, cache_dir=tmp_path)
+    b = ensure_warm_model(sft_steps=0, seed=1, cache_dir=tmp_path)
+    c = ensure_warm_model(sft_steps=0, seed=0, cache_dir=tmp_path, task_kwargs={"max_digits": 1})
     assert len({a, b, c}) == 3 and all(p.parent == tmp_path for p in (a, b, c))
+
+
+def test_cache_root_is_the_argument_else_the_home_default(tmp_path, monkeypatch):
+    # the lookup reads no environment variable: AREAL_CACHE_DIR reaches it through the settings
+    monkeypatch.setenv("AREAL_CACHE_DIR", str(tmp_path / "ignored"))
+    assert cache_root(tmp_path) == tmp_path
+    assert cache_root(str(tmp_path)) == tmp_path
+    assert cache_root(None) == Path.home() / ".cache" / "areal-bus" / "models"
 
 
 def test_concurrent_builds_agree(tmp_path):
@@ -64,7 +72,7 @@ def test_presets_are_separate_cache_entries_with_their_dims(tmp_path, monkeypatc
     cfg = json.loads((small / "config.json").read_text())
     assert (cfg["hidden_size"], cfg["num_hidden_layers"]) == (256, 4)
     assert json.loads((small / "areal_warm_start.json").read_text())["preset"]["hidden_size"] == 256
-    # the config knob reaches the same cache entry
+    # the config knob reaches the same cache entry; AREAL_CACHE_DIR reaches it as settings.cache_dir
     monkeypatch.setenv("AREAL_CACHE_DIR", str(tmp_path))
     settings = load_settings(None, ["model.preset=small", "model.warm_start_steps=0"])
     assert resolve_model_path(settings) == str(small)

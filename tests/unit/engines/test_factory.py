@@ -1,4 +1,4 @@
-"""Engine factory: torch kinds build, unknown kinds and missing extras fail with a clear message."""
+"""Engine factory: torch kinds build from their configs, missing extras fail with the pip command."""
 
 from __future__ import annotations
 
@@ -7,29 +7,34 @@ import importlib.util
 
 import pytest
 
+from areal.engines.config import InferenceEngineConfig, TrainEngineConfig
 from areal.engines.factory import make_inference_engine, make_train_engine
 from areal.engines.torch_infer import TorchInferenceEngine
 from areal.engines.torch_train import TorchTrainEngine
 
 
 def test_torch_kinds(model_dir):
-    assert isinstance(
-        make_inference_engine("torch", model_path=model_dir, max_batch_size=4), TorchInferenceEngine
+    infer = make_inference_engine(
+        InferenceEngineConfig(kind="torch", model_path=model_dir, max_batch_size=4)
     )
-    assert isinstance(make_train_engine("torch", model_path=model_dir, lr=1e-3), TorchTrainEngine)
+    assert isinstance(infer, TorchInferenceEngine) and infer.max_batch_size == 4
+    train = make_train_engine(TrainEngineConfig(kind="torch", model_path=model_dir, lr=1e-3))
+    assert isinstance(train, TorchTrainEngine)
+    assert train.optimizer.param_groups[0]["lr"] == 1e-3
+    assert infer.version == train.version == 0
 
 
-def test_unknown_kind():
+def test_unknown_kind_is_refused_by_the_config():
     with pytest.raises(ValueError, match="unknown inference engine kind 'sglang'"):
-        make_inference_engine("sglang")
-    with pytest.raises(ValueError, match="unknown train engine kind"):
-        make_train_engine("megatron")
+        InferenceEngineConfig(kind="sglang", model_path="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown train engine kind 'megatron'"):
+        TrainEngineConfig(kind="megatron", model_path="x", lr=1e-3)  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
 def test_missing_vllm_names_the_pip_command():
     with pytest.raises(RuntimeError, match=r"pip install 'areal-bus\[vllm\]'"):
-        make_inference_engine("vllm", model_path="x")
+        make_inference_engine(InferenceEngineConfig(kind="vllm", model_path="x"))
 
 
 @pytest.mark.skipif(
@@ -37,7 +42,7 @@ def test_missing_vllm_names_the_pip_command():
 )
 def test_missing_deepspeed_names_the_pip_command():
     with pytest.raises(RuntimeError, match=r"pip install 'areal-bus\[deepspeed\]'"):
-        make_train_engine("deepspeed", model_path="x")
+        make_train_engine(TrainEngineConfig(kind="deepspeed", model_path="x", lr=1e-3))
 
 
 @pytest.mark.parametrize("module", ["areal.engines.vllm_infer", "areal.engines.deepspeed_train"])

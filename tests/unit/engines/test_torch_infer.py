@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from areal.engines.base import GenRequest, SamplingParams, WeightUpdate
+from areal.engines.config import InferenceEngineConfig
 from areal.engines.torch_infer import TorchInferenceEngine, sample_tokens
 from areal.engines.torch_train import export_state_dict
-from tests.unit.engines.helpers import full_logp, random_prompts, tiny_model
+from tests.unit.engines.helpers import full_logp, infer_engine, random_prompts, tiny_model
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
 LENGTHS = [3, 7, 1, 5, 9]
@@ -34,11 +35,16 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine(model_dir) -> TorchInferenceEngine:
-    return TorchInferenceEngine(model_dir, max_batch_size=64, seed=0)
+    return infer_engine(model_dir, max_batch_size=64, seed=0)
+
+
+def test_config_of_another_kind_is_refused(model_dir):
+    with pytest.raises(ValueError, match="kind 'torch'"):
+        TorchInferenceEngine(InferenceEngineConfig(kind="vllm", model_path=model_dir))
 
 
 def test_shapes_and_length_reason(engine):
-    outs = engine.generate(reqs(random_prompts(LENGTHS)), SamplingParams(max_new_tokens=6))
+    outs = engine.generate(reqs(random_prompts(LENGTHS)), params=SamplingParams(max_new_tokens=6))
     assert [o.key for o in outs] == [f"r{i}" for i in range(len(LENGTHS))]
     for o in outs:
         assert len(o.output_ids) == len(o.behav_logp) == len(o.versions) == 6
@@ -49,17 +55,17 @@ def test_shapes_and_length_reason(engine):
 
 def test_greedy_matches_hf_generate(engine, ref_model):
     prompts = random_prompts(LENGTHS)
-    outs = engine.generate(reqs(prompts), GREEDY)
+    outs = engine.generate(reqs(prompts), params=GREEDY)
     for p, o in zip(prompts, outs, strict=True):
         assert o.output_ids == hf_greedy(ref_model, p, 10)
 
 
 def test_stop_token_is_kept_with_its_logp(engine, ref_model):
     prompt = random_prompts([4])[0]
-    full = engine.generate(reqs([prompt]), GREEDY)[0].output_ids
+    full = engine.generate(reqs([prompt]), params=GREEDY)[0].output_ids
     stop = full[2]
     first = full.index(stop)  # the stop token may already occur earlier
-    out = engine.generate(reqs([prompt]), SamplingParams(10, 0.0, 1.0, (stop,)))[0]
+    out = engine.generate(reqs([prompt]), params=SamplingParams(10, 0.0, 1.0, (stop,)))[0]
     assert out.finish_reason == "stop"
     assert out.output_ids == full[: first + 1]
     torch.testing.assert_close(
@@ -74,7 +80,7 @@ def test_stop_token_is_kept_with_its_logp(engine, ref_model):
 def test_recorded_logp_matches_full_forward(engine, ref_model, temperature, top_p):
     prompts = random_prompts(LENGTHS, seed=2)
     params = SamplingParams(max_new_tokens=12, temperature=temperature, top_p=top_p)
-    for p, o in zip(prompts, engine.generate(reqs(prompts), params), strict=True):
+    for p, o in zip(prompts, engine.generate(reqs(prompts), params=params), strict=True):
         expected = full_logp(ref_model, p, o.output_ids, temperature or 1.0)
         torch.testing.assert_close(torch.tensor(o.behav_logp), expected, atol=1e-4, rtol=0)
 
@@ -82,9 +88,9 @@ def test_recorded_logp_matches_full_forward(engine, ref_model, temperature, top_
 def test_continuous_batching_same_greedy_outputs(model_dir, engine):
     prompts = random_prompts([3, 7, 1, 5, 9, 2, 6], seed=3)
     finished = []
-    small = TorchInferenceEngine(model_dir, max_batch_size=2)
-    outs = small.generate(reqs(prompts), GREEDY, on_finished=finished.append)
-    ref = engine.generate(reqs(prompts), GREEDY)
+    small = infer_engine(model_dir, max_batch_size=2)
+    outs = small.generate(reqs(prompts), params=GREEDY, on_finished=finished.append)
+    ref = engine.generate(reqs(prompts), params=GREEDY)
     assert [o.output_ids for o in outs] == [o.output_ids for o in ref]
     for a, b in zip(outs, ref, strict=True):
         torch.testing.assert_close(
@@ -96,12 +102,12 @@ def test_continuous_batching_same_greedy_outputs(model_dir, engine):
 def test_continuous_batching_with_stops_and_admission(model_dir, engine, ref_model):
     # Rows stop at different steps, so rows are evicted and others admitted mid-run.
     prompts = random_prompts([2, 8, 4, 6, 3, 5], seed=4)
-    free = engine.generate(reqs(prompts), GREEDY)
+    free = engine.generate(reqs(prompts), params=GREEDY)
     stops = (free[0].output_ids[0], free[2].output_ids[0])
     assert free[1].output_ids[0] not in stops  # row 1 keeps running while 0 and 2 leave
     params = SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=stops)
-    outs = TorchInferenceEngine(model_dir, max_batch_size=3).generate(reqs(prompts), params)
-    ref = engine.generate(reqs(prompts), params)
+    outs = infer_engine(model_dir, max_batch_size=3).generate(reqs(prompts), params=params)
+    ref = engine.generate(reqs(prompts), params=params)
     assert [o.output_ids for o in outs] == [o.output_ids for o in ref]
     assert outs[0].finish_reason == outs[2].finish_reason == "stop"
     for p, o in zip(prompts, outs, strict=True):
@@ -113,7 +119,7 @@ def test_continuous_batching_with_stops_and_admission(model_dir, engine, ref_mod
 def test_sampling_with_stops_logp(model_dir, ref_model):
     prompts = random_prompts([2, 8, 4, 6, 3, 5, 7, 1], seed=8)
     params = SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_ids=(3, 9, 17))
-    outs = TorchInferenceEngine(model_dir, max_batch_size=3, seed=1).generate(reqs(prompts), params)
+    outs = infer_engine(model_dir, max_batch_size=3, seed=1).generate(reqs(prompts), params=params)
     assert "stop" in {o.finish_reason for o in outs}
     for p, o in zip(prompts, outs, strict=True):
         if o.finish_reason == "stop":
@@ -127,8 +133,8 @@ def test_sampling_with_stops_logp(model_dir, ref_model):
 def test_same_seed_same_samples(model_dir):
     prompts = random_prompts(LENGTHS)
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
-    a = TorchInferenceEngine(model_dir, seed=7).generate(reqs(prompts), params)
-    b = TorchInferenceEngine(model_dir, seed=7).generate(reqs(prompts), params)
+    a = infer_engine(model_dir, seed=7).generate(reqs(prompts), params=params)
+    b = infer_engine(model_dir, seed=7).generate(reqs(prompts), params=params)
     assert [o.output_ids for o in a] == [o.output_ids for o in b]
 
 
@@ -145,9 +151,9 @@ def test_interrupt_switches_version_at_k(model_dir, max_batch_size):
         return update if len(calls) == k + 1 else None  # call k (0-based) precedes token k
 
     prompts = random_prompts([3, 6, 2], seed=5)
-    eng = TorchInferenceEngine(model_dir, max_batch_size=max_batch_size)
+    eng = infer_engine(model_dir, max_batch_size=max_batch_size)
     params = SamplingParams(max_new_tokens=10, temperature=1.0)
-    outs = eng.generate(reqs(prompts), params, poll_weights=poll)
+    outs = eng.generate(reqs(prompts), params=params, poll_weights=poll)
     assert eng.version == 1
     if max_batch_size < len(prompts):  # the third row only starts after the switch
         late = outs.pop()
@@ -172,51 +178,25 @@ def test_interrupt_switches_version_at_k(model_dir, max_batch_size):
         )
 
 
-def test_resume_from_prefix_keeps_prefix(engine):
-    prompt = random_prompts([5], seed=6)[0]
-    full = engine.generate(reqs([prompt]), GREEDY)[0]
-    req = GenRequest(
-        key="x",
-        prompt_ids=prompt,
-        prefix_ids=full.output_ids[:4],
-        prefix_logp=[-9.0, -8.0, -7.0, -6.0],
-        prefix_versions=[3, 3, 4, 4],
-    )
-    out = engine.generate([req], GREEDY)[0]
-    assert out.output_ids == full.output_ids
-    assert out.behav_logp[:4] == [-9.0, -8.0, -7.0, -6.0]
-    assert out.versions == [3, 3, 4, 4] + [0] * 6
-    torch.testing.assert_close(
-        torch.tensor(out.behav_logp[4:]), torch.tensor(full.behav_logp[4:]), atol=1e-5, rtol=0
-    )
+def test_prompt_at_context_limit_finishes_at_once(engine):
+    # the tiny model has max_position_embeddings 128: a 128-token prompt leaves no room
+    out = engine.generate([GenRequest("full", [1] * 128)], params=GREEDY)[0]
+    assert out.finish_reason == "length" and out.output_ids == [] and out.behav_logp == []
 
 
-def test_complete_prefix_finishes_without_generating(engine):
-    req = GenRequest(
-        "done", [1, 2], prefix_ids=[3, 4], prefix_logp=[-1.0, -1.0], prefix_versions=[0, 0]
-    )
-    out = engine.generate([req], SamplingParams(max_new_tokens=2))[0]
-    assert out.finish_reason == "length" and out.output_ids == [3, 4]
-
-
-def test_abort_drops_row_and_reports_it(engine):
-    prompts = random_prompts([3, 4, 5], seed=7)
-    checks: dict[str, int] = {}
+def test_finished_row_is_reported_at_once(engine):
+    rs = reqs(random_prompts([3, 4, 5], seed=7))
+    rs[1].max_new_tokens = 3  # r1 leaves the batch after 3 tokens, the others run to 8
     finished = []
-
-    def should_abort(key: str) -> bool:
-        checks[key] = checks.get(key, 0) + 1
-        return key == "r1" and checks[key] > 3
-
-    outs = engine.generate(
-        reqs(prompts),
-        SamplingParams(max_new_tokens=8),
-        on_finished=finished.append,
-        should_abort=should_abort,
-    )
-    assert [o.finish_reason for o in outs] == ["length", "abort", "length"]
-    assert len(outs[1].output_ids) == 3 and len(outs[1].behav_logp) == 3
+    outs = engine.generate(rs, params=SamplingParams(max_new_tokens=8), on_finished=finished.append)
+    assert [len(o.output_ids) for o in outs] == [8, 3, 8]
     assert finished[0].key == "r1"  # reported at once, before the others finish
+    assert finished[0] is outs[1]
+
+
+def test_generate_takes_keyword_arguments_only(engine):
+    with pytest.raises(TypeError):
+        engine.generate(reqs([[1, 2]]), GREEDY)  # type: ignore[misc]
 
 
 def test_load_weights_rejects_other_architecture(engine):
@@ -249,10 +229,10 @@ def test_poll_requests_joins_the_running_batch(model_dir, engine):
             return out
         return []
 
-    outs = TorchInferenceEngine(model_dir, max_batch_size=8).generate(
-        reqs(prompts)[:3], GREEDY, poll_requests=poll
+    outs = infer_engine(model_dir, max_batch_size=8).generate(
+        reqs(prompts)[:3], params=GREEDY, poll_requests=poll
     )
-    ref = engine.generate(reqs(prompts), GREEDY)
+    ref = engine.generate(reqs(prompts), params=GREEDY)
     assert [o.key for o in outs] == [r.key for r in reqs(prompts)]
     assert [o.output_ids for o in outs] == [o.output_ids for o in ref]
 
@@ -262,6 +242,6 @@ def test_per_request_max_new_tokens(model_dir):
     rs = reqs(prompts)
     rs[0].max_new_tokens, rs[2].max_new_tokens = 2, 5
     params = SamplingParams(max_new_tokens=9, temperature=1.0)
-    outs = TorchInferenceEngine(model_dir).generate(rs, params)
+    outs = infer_engine(model_dir).generate(rs, params=params)
     assert [len(o.output_ids) for o in outs] == [2, 9, 5]
     assert {o.finish_reason for o in outs} == {"length"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,16 @@ import torch
 
 from areal.algo.loss import PPOLossConfig
 from areal.engines.base import GenRequest, SamplingParams, TrainSeq, WeightUpdate
-from areal.engines.torch_infer import TorchInferenceEngine, weights_from_safetensors
+from areal.engines.config import TrainEngineConfig
+from areal.engines.torch_infer import weights_from_safetensors
 from areal.engines.torch_train import TorchTrainEngine
-from tests.unit.engines.helpers import full_logp, random_prompts
+from tests.unit.engines.helpers import (
+    full_entropy,
+    full_logp,
+    infer_engine,
+    random_prompts,
+    train_engine,
+)
 
 SHAPES = [(3, 5), (7, 2), (1, 9), (4, 4), (2, 1), (5, 6)]  # (prompt, output) lengths
 
@@ -46,7 +54,7 @@ def with_behav(engine: TorchTrainEngine, seqs: list[TrainSeq]) -> list[TrainSeq]
 )
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_packed_logp_equals_each_sequence_alone(model_dir, ref_model, packing, attn, temperature):
-    eng = TorchTrainEngine(
+    eng = train_engine(
         model_dir,
         packing=packing,
         fixed_mb_size=4,
@@ -70,7 +78,7 @@ def test_varlen_attention_really_splits_segments(model_dir, monkeypatch):
         seen.append(kwargs.get("areal_seg_lens"))
         return orig(*args, **kwargs)
 
-    eng = TorchTrainEngine(model_dir)
+    eng = train_engine(model_dir)
     monkeypatch.setitem(
         __import__("transformers").AttentionInterface._global_mapping, varlen_attn.NAME, spy
     )
@@ -81,7 +89,7 @@ def test_varlen_attention_really_splits_segments(model_dir, monkeypatch):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_explicit_block_mask_path_equals_builtin(model_dir, attn):
-    eng = TorchTrainEngine(model_dir, attn_implementation=attn)
+    eng = train_engine(model_dir, attn_implementation=attn)
     seqs = make_seqs()
     builtin = eng.compute_logp(seqs, 64)
     eng.fwd.builtin_packed = False  # the path taken on transformers < 5
@@ -93,7 +101,7 @@ def test_explicit_block_mask_path_equals_builtin(model_dir, attn):
 @pytest.mark.parametrize("prox_logp", ["recompute", "loglinear"])
 @pytest.mark.parametrize("decoupled", [True, False])
 def test_positive_adv_raises_logp(model_dir, prox_logp, decoupled):
-    eng = TorchTrainEngine(
+    eng = train_engine(
         model_dir,
         lr=1e-2,
         prox_logp=prox_logp,
@@ -111,12 +119,41 @@ def test_positive_adv_raises_logp(model_dir, prox_logp, decoupled):
     assert stats["padding_frac"] == 0.0
     assert stats["n_microbatches"] >= 2
     assert stats["loss"] == pytest.approx(-1.0, abs=0.05)  # ~on-policy, adv 1: -mean(ratio * A)
-    for key in ("grad_norm", "lr", "time_s", "clipfrac", "approx_kl", "behav_imp_weight_mean"):
+    for key in ("grad_norm", "lr", "time_s", "clipfrac", "behav_imp_weight_mean"):
         assert key in stats
+    assert stats["approx_kl"] >= 0.0  # k3 is >= 0 token by token
+    assert 0.0 < stats["entropy"] <= math.log(32)  # vocab 32: at most the uniform entropy
+
+
+@pytest.mark.parametrize("packing", ["ffd", "fixed"])
+def test_train_step_entropy_and_k3_kl_are_those_of_the_forward(model_dir, ref_model, packing):
+    """One minibatch, on-policy: ``entropy`` is the mean over all output tokens of the entropy of
+    softmax(logits / T) under the pre-step weights, and k3 ``approx_kl`` against the recomputed
+    proximal policy (= those same weights) is 0."""
+    temperature = 0.7
+    eng = train_engine(
+        model_dir, lr=1e-2, temperature=temperature, packing=packing, fixed_mb_size=4
+    )
+    seqs = with_behav(eng, make_seqs())
+    expected = torch.cat(
+        [
+            full_entropy(ref_model, s.prompt_ids.tolist(), s.output_ids.tolist(), temperature)
+            for s in seqs
+        ]
+    ).mean()
+    stats = eng.train_step(seqs, max_tokens_per_mb=20)
+    assert stats["entropy"] == pytest.approx(float(expected), abs=1e-5)
+    assert stats["approx_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert stats["clipfrac"] == 0.0
+
+
+def test_config_of_another_kind_is_refused(model_dir):
+    with pytest.raises(ValueError, match="kind 'torch'"):
+        TorchTrainEngine(TrainEngineConfig(kind="deepspeed", model_path=model_dir, lr=1e-3))
 
 
 def test_negative_adv_lowers_logp_and_fixed_packing_reports_padding(model_dir):
-    eng = TorchTrainEngine(model_dir, lr=1e-2, packing="fixed", fixed_mb_size=3)
+    eng = train_engine(model_dir, lr=1e-2, packing="fixed", fixed_mb_size=3)
     seqs = with_behav(eng, make_seqs(adv=-1.0))
     before = torch.cat(eng.compute_logp(seqs, 64)).sum()
     stats = eng.train_step(seqs, max_tokens_per_mb=20)
@@ -126,8 +163,8 @@ def test_negative_adv_lowers_logp_and_fixed_packing_reports_padding(model_dir):
 
 def test_micro_batch_split_does_not_change_the_step(model_dir):
     """Gradient accumulation over micro-batches = one big batch (same denominator)."""
-    a = TorchTrainEngine(model_dir, lr=1e-2)
-    b = TorchTrainEngine(model_dir, lr=1e-2)
+    a = train_engine(model_dir, lr=1e-2)
+    b = train_engine(model_dir, lr=1e-2)
     seqs = with_behav(a, make_seqs())
     sa = a.train_step(seqs, max_tokens_per_mb=1000)
     sb = b.train_step(make_seqs_like(seqs), max_tokens_per_mb=12)
@@ -145,17 +182,17 @@ def make_seqs_like(seqs: list[TrainSeq]) -> list[TrainSeq]:
 
 
 def test_export_round_trip_into_inference_engine(model_dir, tmp_path):
-    train = TorchTrainEngine(model_dir, lr=1e-2)
+    train = train_engine(model_dir, lr=1e-2)
     train.train_step(with_behav(train, make_seqs()), 64)
     blob = train.export_safetensors()
     state = weights_from_safetensors(blob)
     assert set(state) == set(train.model.state_dict())
 
-    infer = TorchInferenceEngine(model_dir)
+    infer = infer_engine(model_dir)
     infer.load_weights(WeightUpdate(version=train.version, state_dict=state))
     assert infer.version == 1
     prompt = random_prompts([4])[0]
-    out = infer.generate([GenRequest("a", prompt)], SamplingParams(max_new_tokens=6))[0]
+    out = infer.generate([GenRequest("a", prompt)], params=SamplingParams(max_new_tokens=6))[0]
     seq = TrainSeq(
         torch.tensor(prompt), torch.tensor(out.output_ids), torch.zeros(6), torch.zeros(6), 0.0
     )
@@ -167,7 +204,7 @@ def test_export_round_trip_into_inference_engine(model_dir, tmp_path):
 def test_save_pretrained_is_loadable_and_keeps_tokenizer_files(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    train = TorchTrainEngine(model_dir, lr=1e-2)
+    train = train_engine(model_dir, lr=1e-2)
     train.train_step(with_behav(train, make_seqs()), 64)
     dst = tmp_path / "hf"
     train.save_pretrained(str(dst))
@@ -183,14 +220,14 @@ def test_save_pretrained_is_loadable_and_keeps_tokenizer_files(model_dir, tmp_pa
 
 def test_checkpoint_round_trip_resumes_identically(model_dir, tmp_path):
     ckpt = str(tmp_path / "ckpt" / "state.pt")
-    a = TorchTrainEngine(model_dir, lr=1e-2)
+    a = train_engine(model_dir, lr=1e-2)
     a.train_step(with_behav(a, make_seqs()), 64)
     a.save_checkpoint(ckpt)
     seqs2 = make_seqs(seed=2, adv=-0.5)
     with_behav(a, seqs2)
     sa = a.train_step(make_seqs_like(seqs2), 64)
 
-    b = TorchTrainEngine(model_dir, lr=1e-2)
+    b = train_engine(model_dir, lr=1e-2)
     b.load_checkpoint(ckpt)
     assert b.version == 1
     sb = b.train_step(make_seqs_like(seqs2), 64)  # needs the restored Adam moments to match
@@ -205,14 +242,14 @@ def test_snapshot_written_after_more_training_is_the_snapshot_time_state(model_d
     """The trainer writes checkpoints in the background while the next step trains: what lands
     must be the state at snapshot time, not the live tensors."""
     ckpt = str(tmp_path / "state.pt")
-    a = TorchTrainEngine(model_dir, lr=1e-2)
+    a = train_engine(model_dir, lr=1e-2)
     a.train_step(with_behav(a, make_seqs()), 64)
     snap = a.snapshot_checkpoint()
     at_snapshot = [p.detach().clone() for p in a.model.parameters()]
     a.train_step(with_behav(a, make_seqs(seed=2, adv=-0.5)), 64)  # moves params and Adam moments
     a.write_checkpoint(snap, ckpt)
 
-    b = TorchTrainEngine(model_dir, lr=1e-2)
+    b = train_engine(model_dir, lr=1e-2)
     b.load_checkpoint(ckpt)
     assert b.version == 1 and a.version == 2
     for pb, p0 in zip(b.model.parameters(), at_snapshot, strict=True):
@@ -224,4 +261,4 @@ def test_snapshot_written_after_more_training_is_the_snapshot_time_state(model_d
 
 def test_missing_checkpoint_is_a_clear_error(model_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        TorchTrainEngine(model_dir).load_checkpoint(str(tmp_path / "nope.pt"))
+        train_engine(model_dir).load_checkpoint(str(tmp_path / "nope.pt"))

@@ -103,7 +103,7 @@ def test_length_mismatch_is_a_decode_error():
 def test_names_are_namespaced_by_run():
     n = RunNames("my-run_1")
     assert n.subject("prompts") == "areal.my-run_1.prompts"
-    assert n.stream("prompts") == "AREAL_MY_RUN_1_PROMPTS"
+    assert n.stream("prompts") == "AREAL_MY-RUN_1_PROMPTS"
     assert n.dlq_subject("rewards") == "areal.my-run_1.dlq.rewards"
     assert RunNames("a").stream("prompts") != RunNames("b").stream("prompts")
     with pytest.raises(ValueError, match="run id"):

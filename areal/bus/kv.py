@@ -1,0 +1,93 @@
+"""Typed run state in the run's KV bucket: pydantic models in, pydantic models out.
+
+Invariants:
+- a value is the model's JSON (`model_dump_json`); `get` validates it as the model the caller
+  names and raises `StateDecodeError` (naming the key and the bucket) when it does not
+  validate: a corrupt or foreign value is an error, never mistaken for "no state yet";
+- `get` returns None only when the key has no value (never written, deleted or purged);
+- `KVWatch.wait` reports writes made after the watch started (the value current at its start is
+  not a change); a timeout is a normal answer (False), never an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TypeVar
+
+import nats.errors
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
+from nats.js.kv import KeyValue
+from pydantic import BaseModel, ValidationError
+
+from areal.bus.errors import StateDecodeError
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class KVWatch:
+    """Changes of one key after the watch started (create it before reading the key)."""
+
+    def __init__(self, watcher: KeyValue.KeyWatcher) -> None:
+        self._watcher = watcher
+        self._initial_done = False  # the watcher first replays the current value, then None
+        self._stopped = False
+
+    async def wait(self, timeout_s: float) -> bool:
+        """True when the key was written (or deleted) since the watch started or the last True;
+        False when `timeout_s` passed without a change, or the watch is stopped."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self._stopped:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                entry = await self._watcher.updates(timeout=remaining)
+            except nats.errors.TimeoutError:
+                return False
+            if entry is None:  # end of the replay of the value current at the start
+                self._initial_done = True
+            elif isinstance(entry, KeyValue.Entry):
+                if self._initial_done:
+                    return True
+            else:  # the library's stop sentinel
+                self._stopped = True
+        return False
+
+    async def stop(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            await self._watcher.stop()
+
+
+class RunStateKV:
+    """The run-state bucket of one run, typed."""
+
+    def __init__(self, kv: KeyValue, bucket: str) -> None:
+        self._kv, self.bucket = kv, bucket
+
+    async def get(self, key: str, model: type[T]) -> T | None:
+        try:
+            entry = await self._kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+        if not entry.value:  # a delete/purge marker read directly
+            return None
+        try:
+            return model.model_validate_json(entry.value)
+        except ValidationError as e:
+            errs = "; ".join(
+                f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}"
+                for err in e.errors()[:5]
+            )
+            raise StateDecodeError(
+                f"run state {key!r} in KV bucket {self.bucket} is not a valid "
+                f"{model.__name__}: {errs} (written by another areal-bus version? start a new "
+                "run id, or delete the key)"
+            ) from None
+
+    async def put(self, key: str, value: BaseModel) -> None:
+        await self._kv.put(key, value.model_dump_json().encode())
+
+    async def watch(self, key: str) -> KVWatch:
+        return KVWatch(await self._kv.watch(key))

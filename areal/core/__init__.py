@@ -1,0 +1,7 @@
+"""Pure cores: each role's decisions as a synchronous state machine over typed state.
+
+No asyncio, no nats, no torch: services feed these cores events (a message arrived, a step was
+trained, weights arrived) and perform the actions they return (publish, ack, load weights). The
+simulator (`areal.core.sim`) drives the very same cores, so the property test checks the code
+that runs.
+"""

@@ -1,0 +1,288 @@
+"""Trainer intake: file scored samples into groups, judge groups, pick batches, keep accounts.
+
+A pure state machine, generic over the handle `H` the service uses to settle a message (a bus
+lease in production, a token in the simulator). The trainer service decodes a message, calls
+`file`, and acts on the outcome; between steps it calls `take_batch`, trains, `commit_step`,
+and `checkpoint` / `checkpoint_written` around its durable write.
+
+Invariants:
+- never picks a group whose oldest token was generated at a version `< version - η`: such a
+  group is retired as `dropped_stale` (counted, its slot returned), never silently;
+- batches are the B oldest (by admission seq) complete fresh groups;
+- a handle is settled only once a checkpoint covers its sample's effect: handles of trained or
+  retired groups, and of duplicates of them, are released by `checkpoint()` and must be acked
+  only after that checkpoint is written; a duplicate of a task already covered by a written
+  checkpoint is acked at once;
+- a duplicate delivery of a sample in hand is held with it (acking it early would lose the
+  message if the trainer then died before its checkpoint);
+- every task filed ends exactly once: trained, dropped_stale or filtered;
+- the run state for admission (`kv_state`) returns only slots whose retirement a written
+  checkpoint covers: a trainer restored from that checkpoint can never report fewer returned
+  slots than admission already used, so a crash cannot make admission over-admit. A retirement
+  therefore needs a checkpoint soon (`retired_unwritten`), or admission could wait forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Generic, Literal, TypeVar
+
+import numpy as np
+
+from areal.algo.staleness import is_fresh, sample_staleness, staleness_histogram
+from schemas import ScoredSample
+from schemas.state import Accounting, BatchInfo, CheckpointState, StepRecord, TrainerState
+
+__all__ = ["Filed", "Group", "Intake", "IntakePolicy", "Pick", "Retired", "token_versions"]
+
+H = TypeVar("H")
+
+
+def token_versions(scored: ScoredSample) -> np.ndarray:
+    """Per-token policy versions of a sample, `[T]` int64."""
+    v = scored.sample.versions
+    return np.frombuffer(v.data, dtype="<i4" if v.dtype == "int32" else "<i8").astype(np.int64)
+
+
+@dataclass(frozen=True)
+class IntakePolicy:
+    batch_size: int  # B
+    group_size: int  # G
+    max_staleness: int  # η
+    filter_zero_adv_groups: bool = False
+
+
+class Filed(Enum):
+    """What `Intake.file` did with a sample, and so what the service does with its handle."""
+
+    HELD = "held"  # filed into its group; settle after the checkpoint that covers it
+    COMPLETED = "completed"  # filed, and its group is now complete
+    DUPLICATE = "duplicate"  # a copy of a sample in hand or awaiting its checkpoint: held too
+    ACK_NOW = "ack_now"  # its task is covered by a written checkpoint: settle now
+    INVALID = "invalid"  # does not fit this run (`Intake.last_error`): dead-letter it
+
+
+@dataclass
+class Group(Generic[H]):
+    task_id: str
+    task_seq: int
+    samples: dict[int, ScoredSample] = field(default_factory=dict)  # sample_idx -> sample
+    handles: list[H] = field(default_factory=list)
+
+    def ordered(self) -> list[ScoredSample]:
+        return [self.samples[i] for i in sorted(self.samples)]
+
+    def min_version(self) -> int | None:
+        """Version of the group's oldest token (None when no sample has a token)."""
+        mins = [int(v.min()) for v in map(token_versions, self.samples.values()) if len(v)]
+        return min(mins) if mins else None
+
+
+@dataclass(frozen=True)
+class Retired:
+    task_id: str
+    reason: Literal["dropped_stale", "filtered"]
+    min_version: int | None
+
+
+@dataclass
+class Pick(Generic[H]):
+    retired: list[Retired]  # groups retired while picking (their slots go back to admission)
+    batch: list[Group[H]] | None  # B groups, oldest first; None while fewer are ready
+
+
+class Intake(Generic[H]):
+    def __init__(self, policy: IntakePolicy, state: TrainerState | None = None) -> None:
+        self.policy = policy
+        self.state = state or TrainerState()
+        self.groups: dict[str, Group[H]] = {}
+        self.done_written: set[str] = set()  # tasks covered by a written checkpoint
+        self.done_pending: set[str] = set()  # tasks ended since; their checkpoint is pending
+        self._unacked: list[H] = []
+        self._written = TrainerState()  # the state of the last written (or restored) checkpoint
+        self.retired_unwritten = False  # groups retired since the last `checkpoint()`
+        self.last_error = ""
+
+    # ------------------------------------------------------------------ messages
+    def file(self, scored: ScoredSample, handle: H) -> Filed:
+        s = scored.sample
+        if s.group_size != self.policy.group_size:
+            self.last_error = f"sample {s.sample_id}: group_size {s.group_size} != run's G"
+            return Filed.INVALID
+        if s.task_id in self.done_written:
+            return Filed.ACK_NOW
+        if s.task_id in self.done_pending:
+            self._unacked.append(handle)
+            return Filed.DUPLICATE
+        group = self.groups.setdefault(s.task_id, Group(s.task_id, s.task_seq))
+        group.handles.append(handle)
+        if s.sample_idx in group.samples:
+            return Filed.DUPLICATE
+        group.samples[s.sample_idx] = scored
+        return Filed.COMPLETED if len(group.samples) == self.policy.group_size else Filed.HELD
+
+    # ------------------------------------------------------------------ batches
+    def complete_groups(self) -> list[Group[H]]:
+        """Complete groups, oldest (lowest admission seq) first."""
+        g = self.policy.group_size
+        return sorted(
+            (grp for grp in self.groups.values() if len(grp.samples) == g),
+            key=lambda grp: grp.task_seq,
+        )
+
+    def _zero_adv(self, group: Group[H]) -> bool:
+        rewards = {sc.reward for sc in group.samples.values()}
+        return len(rewards) <= 1
+
+    def take_batch(self) -> Pick[H]:
+        """Retire stale (and, if configured, zero-advantage) complete groups and pick the B
+        oldest fresh ones at the current version. Picked groups stay in hand until
+        `commit_step`; with fewer than B ready, nothing is picked."""
+        p, version = self.policy, self.state.version
+        retired: list[Retired] = []
+        chosen: list[Group[H]] = []
+        for group in self.complete_groups():
+            vmin = group.min_version()
+            if vmin is not None and not is_fresh(version, vmin, p.max_staleness):
+                retired.append(self._retire(group, "dropped_stale", vmin))
+            elif p.filter_zero_adv_groups and self._zero_adv(group):
+                retired.append(self._retire(group, "filtered", vmin))
+            elif len(chosen) < p.batch_size:
+                chosen.append(group)
+        return Pick(retired, chosen if len(chosen) == p.batch_size else None)
+
+    def _retire(
+        self, group: Group[H], reason: Literal["dropped_stale", "filtered"], vmin: int | None
+    ) -> Retired:
+        self._end(group)
+        self.retired_unwritten = True
+        if reason == "dropped_stale":
+            self.state.dropped_stale += 1
+        else:
+            self.state.filtered += 1
+        return Retired(group.task_id, reason, vmin)
+
+    def _end(self, group: Group[H]) -> None:
+        del self.groups[group.task_id]
+        self.done_pending.add(group.task_id)
+        self._unacked.extend(group.handles)
+
+    def commit_step(self, batch: list[Group[H]], *, version: int, wall_s: float) -> None:
+        """`batch` was trained on; the policy is now `version` (published next)."""
+        for group in batch:
+            self._end(group)
+        st = self.state
+        st.step += 1
+        st.version = version
+        st.trained += len(batch)
+        st.samples += sum(len(g.samples) for g in batch)
+        st.tokens += sum(len(sc.sample.output_ids) for g in batch for sc in g.samples.values())
+        st.wall_s = wall_s
+
+    # ------------------------------------------------------------------ durability
+    def checkpoint(self) -> tuple[CheckpointState, list[H]]:
+        """The state to write now, and the handles to settle once it is written."""
+        ckpt = CheckpointState(
+            trainer=self.state.model_copy(),
+            done_tasks=sorted(self.done_written | self.done_pending),
+        )
+        handles, self._unacked = self._unacked, []
+        self.retired_unwritten = False
+        return ckpt, handles
+
+    def checkpoint_written(self, ckpt: CheckpointState) -> None:
+        """`ckpt` is durable: its tasks' later duplicates may be acked at once, and its
+        retirements' slots may go back to admission (`kv_state`)."""
+        written = set(ckpt.done_tasks)
+        self.done_written |= written
+        self.done_pending -= written
+        self._written = ckpt.trainer.model_copy()
+
+    def kv_state(self) -> TrainerState:
+        """The run state to publish for admission: the current version and counters, except that
+        returned slots (dropped + filtered) are those of the last written checkpoint."""
+        kv = self.state.model_copy()
+        kv.dropped_stale, kv.filtered = self._written.dropped_stale, self._written.filtered
+        return kv
+
+    def restore(self, ckpt: CheckpointState) -> None:
+        """Resume from a written checkpoint (everything in hand before it is redelivered)."""
+        self.state = ckpt.trainer.model_copy()
+        self._written = ckpt.trainer.model_copy()
+        self.retired_unwritten = False
+        self.groups.clear()
+        self.done_written = set(ckpt.done_tasks)
+        self.done_pending.clear()
+        self._unacked.clear()
+
+    # ------------------------------------------------------------------ reporting
+    def accounting(self, admitted: int) -> Accounting:
+        st = self.state
+        return Accounting(
+            admitted=admitted,
+            trained=st.trained,
+            dropped_stale=st.dropped_stale,
+            filtered=st.filtered,
+        )
+
+    def batch_info(self, batch: list[Group[H]]) -> BatchInfo:
+        """Reward, length and staleness statistics of a picked batch at the current version."""
+        v = self.state.version
+        scored = [sc for g in batch for sc in g.ordered()]
+        rewards = np.array([sc.reward for sc in scored], dtype=np.float64)
+        versions = [token_versions(sc) for sc in scored]
+        lens = [len(x) for x in versions]
+        sample_mins = [int(x.min()) for x in versions if len(x)]
+        all_tokens = np.concatenate(versions) if versions else np.zeros(0, np.int64)
+        n = len(scored)
+        return BatchInfo(
+            reward_mean=float(rewards.mean()) if n else 0.0,
+            reward_std=float(rewards.std()) if n else 0.0,
+            samples=n,
+            tokens=int(sum(lens)),
+            gen_len_mean=float(np.mean(lens)) if n else 0.0,
+            staleness_max=max((sample_staleness(v, m) for m in sample_mins), default=0),
+            staleness_hist=_str_keys(staleness_histogram(v, sample_mins)),
+            staleness_hist_tokens=_str_keys(staleness_histogram(v, all_tokens.tolist())),
+            token_version_min=int(all_tokens.min()) if len(all_tokens) else v,
+            token_version_max=int(all_tokens.max()) if len(all_tokens) else v,
+            interrupted_frac=sum(sc.sample.n_interrupts > 0 for sc in scored) / max(1, n),
+            reprefill_tokens=sum(sc.sample.n_reprefill_tokens for sc in scored),
+            truncated_frac=sum(sc.sample.finish_reason == "length" for sc in scored) / max(1, n),
+        )
+
+    def step_record(
+        self,
+        info: BatchInfo,
+        *,
+        trained_on_version: int,
+        admitted: int,
+        timings: dict[str, float],
+        stats: dict[str, float],
+    ) -> StepRecord:
+        """The record of the step just committed (`commit_step` first)."""
+        st = self.state
+        engine = {("train_tokens" if k == "tokens" else k): v for k, v in stats.items()}
+        return StepRecord(
+            **info.model_dump(),
+            step=st.step,
+            version=st.version,
+            trained_on_version=trained_on_version,
+            wall_s=round(st.wall_s, 3),
+            dropped_stale=st.dropped_stale,
+            filtered=st.filtered,
+            admitted=admitted,
+            outstanding=admitted - st.returned,
+            **{k: round(t, 4) for k, t in timings.items()},
+            **{k: round(x, 6) if isinstance(x, float) else x for k, x in engine.items()},
+        )
+
+    def rewards(self, batch: Iterable[Group[H]]) -> list[list[float]]:
+        """`[B][G]` rewards in sample order (for the advantages)."""
+        return [[sc.reward for sc in g.ordered()] for g in batch]
+
+
+def _str_keys(hist: dict[int, int]) -> dict[str, int]:
+    return {str(k): c for k, c in hist.items()}

@@ -1,0 +1,107 @@
+"""Typed engine configs: what `areal.engines.factory` builds an engine from.
+
+Invariants:
+- Both configs are frozen and keyword-only; a config that exists is valid (every field is
+  checked in ``__post_init__``, with a one-line error naming the field and the allowed values).
+- ``kind`` picks the implementation; fields that only one kind reads say so in their comment
+  and are ignored by the others.
+- No field holds run state: an engine's policy ``version`` starts at 0 and moves only through
+  ``load_weights`` / ``train_step`` / ``load_checkpoint``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from areal.algo.loss import PPOLossConfig
+
+__all__ = ["InferenceEngineConfig", "TrainEngineConfig"]
+
+_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+def _check_choice(name: str, value: object, allowed: tuple[object, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InferenceEngineConfig:
+    """How to build an inference engine (``kind`` "torch" or "vllm")."""
+
+    kind: Literal["torch", "vllm"]  # implementation: TorchInferenceEngine | VLLMInferenceEngine
+    model_path: str  # local HF model directory (config + weights [+ tokenizer])
+    dtype: str = "float32"  # weights dtype: float32 | bfloat16 | float16 (or fp32/bf16/fp16)
+    device: str = "cpu"  # torch device, e.g. "cpu", "cuda:0" (torch only; vllm places itself)
+    max_batch_size: int = 64  # sequences decoded together, >= 1 (vllm: max_num_seqs)
+    seed: int = 0  # sampling RNG seed
+    gpu_memory_utilization: float = 0.85  # fraction of GPU memory vllm may take, (0, 1] (vllm)
+    tensor_parallel_size: int = 1  # GPUs one vllm engine shards over, >= 1 (vllm)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("torch", "vllm"):
+            raise ValueError(
+                f"unknown inference engine kind {self.kind!r}; choose one of ['torch', 'vllm']"
+            )
+        _check_choice("dtype", self.dtype, _DTYPES)
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainEngineConfig:
+    """How to build a training engine (``kind`` "torch" or "deepspeed").
+
+    One ``train_step`` = ``n_minibatches`` optimizer steps; log-probs are taken at
+    ``temperature`` (the rollout sampling temperature; 1.0 when rollouts are greedy).
+    """
+
+    kind: Literal["torch", "deepspeed"]  # TorchTrainEngine | DeepSpeedTrainEngine
+    model_path: str  # local HF model directory to start from
+    lr: float  # AdamW learning rate (per optimizer step), > 0
+    weight_decay: float = 0.0  # AdamW decoupled weight decay, >= 0
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW moment decay rates, each in [0, 1)
+    grad_clip: float = 1.0  # max global grad L2 norm per optimizer step; <= 0 = no clipping
+    loss_cfg: PPOLossConfig = field(default_factory=PPOLossConfig)  # clip eps, imp-weight cap
+    temperature: float = 1.0  # log-probs are log_softmax(logits / temperature), > 0
+    n_minibatches: int = 1  # optimizer steps per train_step (contiguous splits), >= 1
+    prox_logp: Literal["recompute", "loglinear"] = "recompute"  # how prox_logp is obtained
+    device: str = "cpu"  # torch device (torch only; deepspeed uses cuda:$LOCAL_RANK)
+    dtype: str = "float32"  # weights and compute dtype: float32 | bfloat16 | float16
+    seed: int = 0  # torch RNG seed at construction
+    packing: Literal["ffd", "fixed"] = "ffd"  # micro-batching: FFD packed rows | padded chunks
+    fixed_mb_size: int = 8  # sequences per micro-batch when packing == "fixed", >= 1
+    attn_implementation: str = "varlen"  # "varlen" (ours) or an HF name: sdpa, eager, ...
+    zero_stage: int = 2  # DeepSpeed ZeRO stage, 0..3 (deepspeed only)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("torch", "deepspeed"):
+            raise ValueError(
+                f"unknown train engine kind {self.kind!r}; choose one of ['deepspeed', 'torch']"
+            )
+        _check_choice("dtype", self.dtype, _DTYPES)
+        _check_choice("prox_logp", self.prox_logp, ("recompute", "loglinear"))
+        _check_choice("packing", self.packing, ("ffd", "fixed"))
+        _check_choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"temperature must be > 0 (use 1.0 for greedy rollouts), got {self.temperature}"
+            )
+        if self.n_minibatches < 1 or self.fixed_mb_size < 1:
+            raise ValueError(
+                "n_minibatches and fixed_mb_size must be >= 1, got "
+                f"{self.n_minibatches} and {self.fixed_mb_size}"
+            )

@@ -1,0 +1,36 @@
+"""From a picked batch of groups to the engine's `TrainSeq`s, with GRPO advantages."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from areal.algo.advantages import grpo_advantages
+from areal.bus.client import Lease
+from areal.bus.codec import unpack
+from areal.core.intake import Group, token_versions
+from areal.engines.base import TrainSeq
+
+
+def to_train_seqs(
+    batch: list[Group[Lease]], rewards: list[list[float]], *, norm_std: bool, batch_norm: bool
+) -> list[TrainSeq]:
+    """One `TrainSeq` per sample, groups in batch order and samples in index order;
+    `rewards` is `[B][G]` in the same order (`Intake.rewards`)."""
+    adv = grpo_advantages(  # [B, G]
+        torch.tensor(rewards, dtype=torch.float32), norm_std=norm_std, batch_norm=batch_norm
+    )
+    seqs: list[TrainSeq] = []
+    for gi, group in enumerate(batch):
+        for si, scored in enumerate(group.ordered()):
+            s = scored.sample
+            seqs.append(
+                TrainSeq(
+                    prompt_ids=torch.from_numpy(unpack(s.prompt_ids).astype(np.int64)),
+                    output_ids=torch.from_numpy(unpack(s.output_ids).astype(np.int64)),
+                    behav_logp=torch.from_numpy(unpack(s.behav_logp).copy()),
+                    versions=torch.from_numpy(token_versions(scored)),
+                    adv=float(adv[gi, si]),
+                )
+            )
+    return seqs

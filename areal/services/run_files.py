@@ -1,0 +1,62 @@
+"""The trainer's files in `--out`: `metrics.jsonl` (one `StepRecord` per step) and
+`summary.json` (`RunSummary`).
+
+Invariant: after a restart `metrics.jsonl` holds exactly the steps the checkpoint covers
+(`truncate`), so a step is never recorded twice nor skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from areal.services.checkpoints import write_text_atomic
+from schemas.state import Accounting, RunSummary, StepRecord, TrainerState
+
+
+class MetricsLog:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def append(self, rec: StepRecord) -> None:
+        with open(self.path, "a") as f:
+            f.write(rec.model_dump_json(exclude_none=True) + "\n")
+
+    def records(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
+
+    def truncate(self, step: int) -> None:
+        """Keep only the records of steps `<= step`; later steps will be redone."""
+        recs = self.records()
+        kept = [r for r in recs if r["step"] <= step]
+        if len(kept) != len(recs):
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def reward_means(self) -> list[float]:
+        return [float(r["reward_mean"]) for r in self.records()]
+
+
+def write_summary(path: Path, summary: RunSummary) -> None:
+    write_text_atomic(path, summary.model_dump_json(indent=1))
+
+
+def make_summary(
+    acc: Accounting, state: TrainerState, reward_means: list[float], *, dlq: int
+) -> RunSummary:
+    """The run's accounting and outcome; rewards are the per-step means of `metrics.jsonl`."""
+    first, last = reward_means[:5], reward_means[-5:]
+    return RunSummary(
+        **acc.model_dump(),
+        in_flight=acc.in_flight,
+        dlq=dlq,
+        steps=state.step,
+        final_version=state.version,
+        samples=state.samples,
+        tokens=state.tokens,
+        reward_first5=sum(first) / max(1, len(first)),
+        reward_last5=sum(last) / max(1, len(last)),
+        final_reward=reward_means[-1] if reward_means else None,
+        wall_s=round(state.wall_s, 2),
+    )

@@ -1,0 +1,145 @@
+"""Run state that crosses a process boundary: the KV run state, the trainer checkpoint's
+bookkeeping and the per-step record. Typed, versioned models instead of string-keyed dicts.
+
+Invariants:
+- every model carries `schema_version`; a reader rejects a version it does not support with a
+  clear error and ignores unknown fields (like the wire messages);
+- `TrainerState.returned` (dropped + filtered groups) is what admission gives back: the
+  controller admits while `admitted - returned + 1 <= (version + η + 1) * B`;
+- accounting: `admitted = trained + dropped_stale + filtered + in_flight` (`Accounting`).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.messages import Message
+
+# KV keys of the run-state bucket
+CONTROLLER_KEY = "controller"
+TRAINER_KEY = "trainer"
+
+
+class _State(Message):
+    """Versioned like the wire messages (`schemas.messages.Message`); never published itself."""
+
+    kind: ClassVar[str] = "state"
+
+
+class ControllerState(_State):
+    """The controller's KV record: tasks admitted so far (= the next task's seq and the dataset
+    cursor: task k is dataset item k of the seeded order)."""
+
+    kind: ClassVar[str] = "controller state"
+    admitted: int = Field(0, ge=0, description="tasks published onto `prompts` so far")
+
+
+class TrainerState(_State):
+    """The trainer's KV record and the core of its checkpoint."""
+
+    kind: ClassVar[str] = "trainer state"
+    version: int = Field(0, ge=0, description="latest published policy version")
+    step: int = Field(0, ge=0, description="training steps done")
+    trained: int = Field(0, ge=0, description="groups trained on")
+    dropped_stale: int = Field(0, ge=0, description="groups dropped by the intake check")
+    filtered: int = Field(0, ge=0, description="groups filtered (e.g. zero advantage)")
+    samples: int = Field(0, ge=0, description="samples trained on")
+    tokens: int = Field(0, ge=0, description="generated tokens trained on")
+    wall_s: float = Field(0.0, ge=0, description="trainer wall time so far (s)")
+    done: bool = Field(False, description="the run reached total_steps")
+
+    @property
+    def returned(self) -> int:
+        """Groups that gave their admission slot back (dropped or filtered)."""
+        return self.dropped_stale + self.filtered
+
+
+class CheckpointState(_State):
+    """`checkpoint/trainer_state.json`: the trainer state plus the tasks whose effect the
+    checkpoint covers (trained, dropped or filtered), so redeliveries are de-duplicated."""
+
+    kind: ClassVar[str] = "checkpoint state"
+    trainer: TrainerState
+    done_tasks: list[str] = Field(default_factory=list)
+
+
+class Accounting(BaseModel):
+    """Where every admitted task is: `admitted = trained + dropped_stale + filtered + in_flight`."""
+
+    admitted: int
+    trained: int
+    dropped_stale: int
+    filtered: int
+
+    @property
+    def in_flight(self) -> int:
+        return self.admitted - self.trained - self.dropped_stale - self.filtered
+
+
+class BatchInfo(BaseModel):
+    """What the trainer's intake knows about the batch of one step (before training)."""
+
+    reward_mean: float
+    reward_std: float
+    samples: int
+    tokens: int
+    gen_len_mean: float
+    staleness_max: int = Field(description="largest sample lag (from its oldest token)")
+    staleness_hist: dict[str, int] = Field(description="sample lag -> samples")
+    staleness_hist_tokens: dict[str, int] = Field(description="token lag -> tokens")
+    token_version_min: int
+    token_version_max: int
+    interrupted_frac: float = Field(description="samples whose generation switched weights")
+    reprefill_tokens: int
+    truncated_frac: float = Field(0.0, description="samples that hit max_new_tokens")
+
+
+class StepRecord(BatchInfo):
+    """One line of `metrics.jsonl` and the `metrics.trainer.step` record.
+
+    Engine statistics (`loss`, `clipfrac`, `approx_kl`, `entropy`, `grad_norm`, ...) are
+    typed below where every engine reports them; any further engine stat is kept as an extra
+    field, so a new engine can report more without a schema change.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    step: int
+    version: int = Field(description="policy version after this step")
+    trained_on_version: int = Field(description="policy version the batch was trained against")
+    wall_s: float
+    dropped_stale: int
+    filtered: int
+    admitted: int
+    outstanding: int = Field(description="admitted - returned: what admission counts")
+    train_s: float
+    wait_s: float = Field(description="time the trainer waited for a full batch (s)")
+    weights_publish_s: float
+    checkpoint_s: float
+    trainer_idle_frac: float
+    loss: float = 0.0
+    clipfrac: float = 0.0
+    approx_kl: float = Field(0.0, description="k3 estimator, per kept token")
+    entropy: float | None = Field(None, description="policy entropy per loss token (nats)")
+    grad_norm: float = 0.0
+
+
+class RunSummary(BaseModel):
+    """`summary.json` and the `run_finished` event: the accounting and the outcome of a run."""
+
+    admitted: int
+    trained: int
+    dropped_stale: int
+    filtered: int
+    in_flight: int = Field(description="admitted - trained - dropped_stale - filtered")
+    dlq: int = Field(description="messages in the run's dead-letter stream")
+    steps: int
+    final_version: int
+    samples: int
+    tokens: int
+    reward_first5: float
+    reward_last5: float
+    final_reward: float | None
+    wall_s: float

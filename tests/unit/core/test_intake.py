@@ -1,0 +1,156 @@
+"""Trainer intake core: filing, de-duplication, freshness, batches, accounting, checkpoints."""
+
+from __future__ import annotations
+
+from areal.bus.codec import pack
+from areal.core.intake import Filed, Intake, IntakePolicy
+from schemas import ScoredSample
+from schemas.state import CheckpointState, TrainerState
+from tests.factories import make_sample
+
+
+def scored(
+    seq: int, idx: int, versions: list[int], reward: float = 1.0, g: int = 2
+) -> ScoredSample:
+    """Sample `idx` of task `t{seq}` whose tokens were generated at `versions`."""
+    sample = make_sample(
+        len(versions),
+        task_id=f"t{seq}",
+        task_seq=seq,
+        sample_idx=idx,
+        group_size=g,
+        versions=pack(versions, "int32"),
+    )
+    return ScoredSample(sample=sample, reward=reward)
+
+
+def file_group(
+    intake: Intake[str], seq: int, versions: list[int], rewards: tuple[float, float] = (1, 0)
+) -> None:
+    for idx, r in enumerate(rewards):
+        intake.file(scored(seq, idx, versions, r), f"h{seq}/{idx}")
+
+
+def test_file_outcomes() -> None:
+    intake: Intake[str] = Intake(IntakePolicy(batch_size=1, group_size=2, max_staleness=0))
+    assert intake.file(scored(0, 0, [0], g=3), "x") is Filed.INVALID
+    assert "group_size 3" in intake.last_error
+    assert intake.file(scored(0, 0, [0]), "a") is Filed.HELD
+    assert intake.file(scored(0, 0, [0]), "a2") is Filed.DUPLICATE  # same index: held too
+    assert intake.file(scored(0, 1, [0]), "b") is Filed.COMPLETED
+    pick = intake.take_batch()
+    assert pick.batch is not None
+    intake.commit_step(pick.batch, version=1, wall_s=1.0)
+    # ended, checkpoint pending: a copy is held and released with that checkpoint
+    assert intake.file(scored(0, 1, [0]), "b2") is Filed.DUPLICATE
+    ckpt, handles = intake.checkpoint()
+    assert sorted(handles) == ["a", "a2", "b", "b2"]
+    assert ckpt.done_tasks == ["t0"]
+    assert intake.checkpoint() == (ckpt, [])  # each handle is released once
+    intake.checkpoint_written(ckpt)
+    assert intake.file(scored(0, 0, [0]), "c") is Filed.ACK_NOW  # covered by a written ckpt
+
+
+def test_stale_exactly_at_the_bound_is_fresh() -> None:
+    intake: Intake[str] = Intake(IntakePolicy(1, 2, max_staleness=1), TrainerState(version=3))
+    file_group(intake, 0, [1, 3])  # oldest token v1: lag 3 - 1 = 2 > 1 -> dropped
+    file_group(intake, 1, [2, 3])  # oldest token v2: lag 1 = η -> fresh
+    pick = intake.take_batch()
+    assert [(r.task_id, r.reason, r.min_version) for r in pick.retired] == [
+        ("t0", "dropped_stale", 1)
+    ]
+    assert pick.batch is not None and [g.task_id for g in pick.batch] == ["t1"]
+    assert intake.state.dropped_stale == 1 and intake.state.returned == 1
+
+
+def test_oldest_first_and_wait_for_b() -> None:
+    intake: Intake[str] = Intake(IntakePolicy(batch_size=2, group_size=2, max_staleness=0))
+    file_group(intake, 5, [0])
+    assert intake.take_batch().batch is None  # 1 < B = 2 complete groups
+    file_group(intake, 2, [0])
+    file_group(intake, 9, [0])
+    pick = intake.take_batch()
+    assert pick.batch is not None and [g.task_seq for g in pick.batch] == [2, 5]
+
+
+def test_zero_advantage_groups_filtered() -> None:
+    intake: Intake[str] = Intake(IntakePolicy(1, 2, 0, filter_zero_adv_groups=True))
+    file_group(intake, 0, [0], rewards=(1, 1))  # equal rewards: no advantage
+    file_group(intake, 1, [0], rewards=(1, 0))
+    pick = intake.take_batch()
+    assert [r.reason for r in pick.retired] == ["filtered"]
+    assert pick.batch is not None and pick.batch[0].task_id == "t1"
+    assert (intake.state.filtered, intake.state.returned) == (1, 1)
+
+
+def test_commit_step_accounting() -> None:
+    intake: Intake[str] = Intake(IntakePolicy(batch_size=2, group_size=2, max_staleness=0))
+    file_group(intake, 0, [0, 0, 0])  # 2 samples x 3 tokens
+    file_group(intake, 1, [0])  # 2 samples x 1 token
+    pick = intake.take_batch()
+    assert pick.batch is not None
+    intake.commit_step(pick.batch, version=1, wall_s=7.5)
+    st = intake.state
+    # trained 2 groups, 4 samples, 2 * 3 + 2 * 1 = 8 tokens
+    assert (st.step, st.version, st.trained, st.samples, st.tokens, st.wall_s) == (
+        1,
+        1,
+        2,
+        4,
+        8,
+        7.5,
+    )
+    acc = intake.accounting(admitted=5)
+    assert (acc.trained, acc.dropped_stale, acc.filtered, acc.in_flight) == (2, 0, 0, 3)
+
+
+def test_restore() -> None:
+    state = TrainerState(version=4, step=4, trained=4, dropped_stale=1)
+    intake: Intake[str] = Intake(IntakePolicy(1, 2, 0))
+    file_group(intake, 7, [4])  # in hand before the crash: lost with it (redelivered)
+    intake.restore(CheckpointState(trainer=state, done_tasks=["t0", "t3"]))
+    assert intake.state == state and intake.groups == {}
+    assert intake.file(scored(3, 0, [0]), "h") is Filed.ACK_NOW
+    assert intake.checkpoint()[1] == []
+
+
+def test_batch_info_on_a_tiny_batch() -> None:
+    intake: Intake[str] = Intake(IntakePolicy(1, 2, max_staleness=4), TrainerState(version=4))
+    intake.file(scored(0, 0, [2, 2, 3], reward=1.0), "a")
+    intake.file(scored(0, 1, [3, 3], reward=0.0), "b")
+    pick = intake.take_batch()
+    assert pick.batch is not None
+    info = intake.batch_info(pick.batch)
+    # rewards [1, 0]: mean 0.5, population std 0.5
+    assert (info.reward_mean, info.reward_std) == (0.5, 0.5)
+    # 3 + 2 = 5 tokens, mean length 2.5
+    assert (info.samples, info.tokens, info.gen_len_mean) == (2, 5, 2.5)
+    # sample lags from oldest tokens: 4 - 2 = 2 and 4 - 3 = 1
+    assert info.staleness_max == 2
+    assert info.staleness_hist == {"1": 1, "2": 1}
+    # token lags: 2, 2, 1, 1, 1
+    assert info.staleness_hist_tokens == {"1": 3, "2": 2}
+    assert (info.token_version_min, info.token_version_max) == (2, 3)
+    assert (info.interrupted_frac, info.truncated_frac) == (0.0, 0.0)
+    assert intake.rewards(pick.batch) == [[1.0, 0.0]]
+
+
+def test_returned_slots_reach_admission_only_once_a_checkpoint_covers_them() -> None:
+    # A trainer restored from its last written checkpoint must never report fewer returned
+    # slots than admission already used: kv_state() holds retirements back until then.
+    intake: Intake[str] = Intake(IntakePolicy(1, 2, max_staleness=0), TrainerState(version=2))
+    file_group(intake, 0, [1, 1])  # lag 2 - 1 = 1 > η = 0: dropped
+    pick = intake.take_batch()
+    assert [r.task_id for r in pick.retired] == ["t0"] and pick.batch is None
+    assert intake.state.dropped_stale == 1  # counted at once ...
+    assert intake.retired_unwritten
+    assert intake.kv_state().returned == 0  # ... but its slot is not given back yet
+    assert intake.kv_state().version == 2
+    ckpt, handles = intake.checkpoint()
+    assert handles == ["h0/0", "h0/1"] and not intake.retired_unwritten
+    assert intake.kv_state().returned == 0  # taken, not yet written
+    intake.checkpoint_written(ckpt)
+    assert intake.kv_state().returned == 1  # durable: the slot goes back
+    restored: Intake[str] = Intake(IntakePolicy(1, 2, max_staleness=0))
+    restored.restore(ckpt)
+    assert restored.kv_state().returned == 1 and not restored.retired_unwritten

@@ -1,0 +1,84 @@
+"""Rollout scheduling core: tasks, handles, weight offers, gating and switching."""
+
+from __future__ import annotations
+
+from areal.core.scheduling import Joined, Request, Scheduler, SchedulerPolicy
+
+INTERRUPTIBLE = SchedulerPolicy(interruptible=True)
+DRAIN = SchedulerPolicy(interruptible=False)
+
+
+def test_new_then_adopted_keeps_both_handles() -> None:
+    s: Scheduler[str, str] = Scheduler(INTERRUPTIBLE)
+    assert s.on_task("t0", 3, 0, "lease-a") is Joined.NEW
+    assert [r.key for r in s.queue] == ["t0/0", "t0/1", "t0/2"]
+    assert s.on_task("t0", 3, 0, "lease-b") is Joined.ADOPTED  # a redelivery: nothing queued
+    assert len(s.queue) == 3
+    # handles come back once, after all G = 3 indices are published (a repeat counts once)
+    assert s.sample_published("t0", 0) == []
+    assert s.sample_published("t0", 0) == []
+    assert s.sample_published("t0", 2) == []
+    assert s.sample_published("t0", 1) == ["lease-a", "lease-b"]
+    assert not s.is_active("t0")
+    assert s.sample_published("t0", 1) == []  # unknown now: nothing to ack twice
+
+
+def test_fail_all_hands_every_handle_back() -> None:
+    s: Scheduler[str, str] = Scheduler(INTERRUPTIBLE)
+    s.on_task("t0", 2, 0, "a")
+    s.on_task("t1", 2, 0, "b")
+    s.on_task("t1", 2, 0, "c")
+    assert s.task_failed("t0") == ["a"]
+    assert [r.task_id for r in s.queue] == ["t1", "t1"]
+    assert s.fail_all() == ["b", "c"]
+    assert not s.queue and not s.tasks
+
+
+def test_weight_offers_older_ignored() -> None:
+    s: Scheduler[str, str] = Scheduler(INTERRUPTIBLE, version=2)
+    assert not s.offer_weights(2, "w2")  # not newer than loaded
+    assert s.offer_weights(4, "w4")
+    assert not s.offer_weights(3, "w3")  # older than pending
+    assert s.known_version == 4
+    assert s.switch_at_boundary(0.0) == (4, "w4")
+    assert (s.version, s.pending) == (4, None)
+
+
+def test_take_requests_waits_for_the_admission_version() -> None:
+    s: Scheduler[str, str] = Scheduler(INTERRUPTIBLE)
+    s.on_task("t0", 1, 0, "a")
+    s.on_task("t1", 2, 1, "b")
+    assert s.take_requests(0.0) == [Request("t0", 0, 0)]
+    assert s.take_requests(0.0) == []  # t1 needs v1: none known
+    assert s.needed_version() == 1
+    s.offer_weights(1, "w1")
+    assert s.needed_version() is None
+    # interruptible: v1 is switched to at this boundary, so t1 may start now (max_n = 1)
+    assert s.take_requests(1.0, max_n=1) == [Request("t1", 0, 1)]
+    assert s.switch_at_boundary(1.0) == (1, "w1")
+    assert s.take_requests(1.0) == [Request("t1", 1, 1)]
+
+
+def test_drain_mode_switches_between_batches_only() -> None:
+    s: Scheduler[str, str] = Scheduler(DRAIN)
+    s.on_task("t0", 1, 0, "a")
+    s.offer_weights(1, "w1")
+    assert s.take_requests(0.0) == []  # an update is pending: nothing new starts
+    assert s.switch_at_boundary(0.0) is None  # never mid-batch
+    assert s.switch_between_batches(0.0) == (1, "w1")
+    assert s.take_requests(0.0) == [Request("t0", 0, 0)]
+    assert s.switch_between_batches(0.0) is None  # nothing pending
+
+
+def test_interrupt_min_interval_rate_limits_switches() -> None:
+    s: Scheduler[str, str] = Scheduler(SchedulerPolicy(True, interrupt_min_interval_s=10.0))
+    s.offer_weights(1, "w1")
+    assert s.switch_at_boundary(100.0) == (1, "w1")  # last switch at 100
+    s.offer_weights(2, "w2")
+    s.on_task("t0", 1, 2, "a")
+    # at 105 (5 s < 10 s since the last switch): no switch, and v2's task may not start
+    assert s.take_requests(105.0) == []
+    assert s.switch_at_boundary(105.0) is None
+    # at 110 (10 s since): allowed
+    assert s.take_requests(110.0) == [Request("t0", 0, 2)]
+    assert s.switch_at_boundary(110.0) == (2, "w2")

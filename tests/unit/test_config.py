@@ -1,0 +1,134 @@
+"""The settings model: source precedence, nested env, the logging / cache fields, error messages.
+
+Precedence (highest first): `--set` > environment (`AREAL_...`) > YAML > default. Each test picks
+a different value per source so the winner is unambiguous.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from areal.config import ConfigError, MonitorSettings, load_monitor_settings, load_settings
+
+ENV_VARS = ("AREAL_", "NATS_URL")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No AREAL_* / NATS_URL from the caller's shell (e.g. AREAL_CACHE_DIR) leaks into a test."""
+    for key in list(os.environ):
+        if key.startswith(ENV_VARS):
+            monkeypatch.delenv(key)
+
+
+def _yaml(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_precedence_set_over_env_over_yaml_over_default(tmp_path, monkeypatch):
+    cfg = _yaml(tmp_path, "algo:\n  max_staleness: 1\n")
+    assert load_settings(None).algo.max_staleness == 4  # the default
+    assert load_settings(cfg).algo.max_staleness == 1  # YAML over default
+    monkeypatch.setenv("AREAL_ALGO__MAX_STALENESS", "2")
+    assert load_settings(cfg).algo.max_staleness == 2  # env over YAML
+    assert load_settings(cfg, ["algo.max_staleness=3"]).algo.max_staleness == 3  # --set over env
+
+
+def test_sources_merge_per_field_not_per_section(tmp_path, monkeypatch):
+    # each source sets a different field of `algo`; none wipes the others' fields
+    cfg = _yaml(tmp_path, "algo:\n  batch_size: 4\n")
+    monkeypatch.setenv("AREAL_ALGO__MAX_STALENESS", "2")
+    s = load_settings(cfg, ["algo.group_size=3"])
+    assert (s.algo.batch_size, s.algo.max_staleness, s.algo.group_size) == (4, 2, 3)
+    assert s.algo.eps_clip_low == 0.2  # untouched: the default
+
+
+def test_nested_env_and_top_level_env(monkeypatch):
+    monkeypatch.setenv("AREAL_ALGO__MAX_STALENESS", "2")
+    monkeypatch.setenv("AREAL_NATS__URL", "nats://10.0.0.7:4222")
+    monkeypatch.setenv("AREAL_RUN_ID", "exp7")
+    s = load_settings(None)
+    assert s.algo.max_staleness == 2
+    assert s.nats.url == "nats://10.0.0.7:4222"
+    assert s.run_id == "exp7"
+
+
+def test_log_and_cache_fields_default_and_from_env(tmp_path, monkeypatch):
+    s = load_settings(None)
+    assert (s.log_level, s.log_format, s.cache_dir) == ("INFO", "console", None)
+    monkeypatch.setenv("AREAL_LOG_LEVEL", "debug")  # any case; stored upper-case
+    monkeypatch.setenv("AREAL_LOG_FORMAT", "json")
+    monkeypatch.setenv("AREAL_CACHE_DIR", str(tmp_path / "models"))
+    s = load_settings(None)
+    assert (s.log_level, s.log_format, s.cache_dir) == ("DEBUG", "json", str(tmp_path / "models"))
+
+
+def test_new_fields_survive_the_config_json_round_trip(tmp_path, monkeypatch):
+    # `areal run` writes the resolved settings to config.json; every worker loads that file
+    monkeypatch.setenv("AREAL_LOG_FORMAT", "json")
+    s = load_settings(None, ["log_level=WARNING", f"cache_dir={tmp_path}"])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(s.model_dump(mode="json")))
+    monkeypatch.delenv("AREAL_LOG_FORMAT")
+    back = load_settings(path)
+    assert (back.log_level, back.log_format, back.cache_dir) == ("WARNING", "json", str(tmp_path))
+    assert back == s
+
+
+def test_bad_value_names_the_field_the_value_and_the_fix():
+    with pytest.raises(ConfigError) as e:
+        load_settings(None, ["algo.max_staleness=-1"])
+    msg = str(e.value)
+    assert "algo.max_staleness" in msg and "greater than or equal to 0" in msg
+    assert "(got -1)" in msg and "--set algo.max_staleness=" in msg
+
+
+def test_bad_env_value_names_the_field(monkeypatch):
+    monkeypatch.setenv("AREAL_LOG_FORMAT", "xml")
+    with pytest.raises(ConfigError, match=r"log_format: .*'console' or 'json' \(got 'xml'\)"):
+        load_settings(None)
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "overrides", "where"),
+    [
+        ("", ["algo.max_stalenes=2"], "algo.max_stalenes"),  # a typo in --set
+        ("algo:\n  max_stalenes: 2\n", [], "algo.max_stalenes"),  # the same typo in YAML
+        ("log_levels: DEBUG\n", [], "log_levels"),  # an unknown top-level key
+    ],
+)
+def test_unknown_key_is_rejected(tmp_path, yaml_text, overrides, where):
+    cfg = _yaml(tmp_path, yaml_text)
+    with pytest.raises(ConfigError, match=rf"{where}: Extra inputs are not permitted"):
+        load_settings(cfg, overrides)
+
+
+def test_monitor_settings_defaults():
+    m = load_monitor_settings()
+    assert m == MonitorSettings(
+        run_id=None, nats_url="nats://127.0.0.1:4222", log_level="ERROR", log_format="console"
+    )
+
+
+def test_monitor_settings_from_env(monkeypatch):
+    monkeypatch.setenv("NATS_URL", "nats://plain:4222")
+    assert load_monitor_settings().nats_url == "nats://plain:4222"  # the nats ecosystem's name
+    monkeypatch.setenv("AREAL_NATS__URL", "nats://areal:4222")
+    assert load_monitor_settings().nats_url == "nats://areal:4222"  # ours wins over NATS_URL
+    monkeypatch.setenv("AREAL_RUN_ID", "exp7")
+    monkeypatch.setenv("AREAL_LOG_LEVEL", "warning")
+    monkeypatch.setenv("AREAL_ALGO__MAX_STALENESS", "2")  # a run setting: ignored here
+    m = load_monitor_settings()
+    assert (m.run_id, m.log_level) == ("exp7", "WARNING")
+
+
+def test_monitor_settings_bad_env_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv("AREAL_LOG_LEVEL", "loud")
+    with pytest.raises(ConfigError, match=r"AREAL_LOG_LEVEL: .*\(got 'LOUD'\); fix or unset"):
+        load_monitor_settings()
