@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal.bus.client import Bus
 from areal.config import RunSettings
 from areal.config_views import ControllerView
 from areal.launch.worker import RoleSpec, resolve_model_path
 from areal.launch.worker import main as worker_main
+
+if TYPE_CHECKING:  # heavy: imported inside build() at run time
+    from areal.services.controller import Controller
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ def prepare(settings: RunSettings, worker_id: str) -> ControllerParts:
     return ControllerParts(view, source, load_tokenizer(resolve_model_path(settings)))
 
 
-def build(parts: ControllerParts, bus: Bus):
+def build(parts: ControllerParts, bus: Bus) -> Controller:
     from areal.core.admission import AdmissionPolicy
     from areal.services.controller import Controller
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from areal.bus.client import Bus
 from areal.config import RunSettings
 from areal.config_views import RewardView
 from areal.launch.worker import RoleSpec
 from areal.launch.worker import main as worker_main
+
+if TYPE_CHECKING:  # heavy: imported inside build() at run time
+    from areal.services.reward import RewardService
 
 
 def prepare(settings: RunSettings, worker_id: str) -> RewardView:
@@ -19,7 +23,7 @@ def prepare(settings: RunSettings, worker_id: str) -> RewardView:
     return view
 
 
-def build(view: RewardView, bus: Bus):
+def build(view: RewardView, bus: Bus) -> RewardService:
     from areal.services.reward import RewardService
 
     r = view.reward

@@ -6,13 +6,16 @@ import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal.bus.client import Bus
 from areal.config import RunSettings
 from areal.config_views import RolloutView
 from areal.launch.worker import RoleSpec, resolve_model_path
 from areal.launch.worker import main as worker_main
+
+if TYPE_CHECKING:  # heavy: imported inside build() at run time
+    from areal.services.rollout import RolloutService
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ def prepare(settings: RunSettings, worker_id: str) -> RolloutParts:
     return RolloutParts(view, engine, params, decode_text)
 
 
-def build(parts: RolloutParts, bus: Bus):
+def build(parts: RolloutParts, bus: Bus) -> RolloutService:
     from areal.core.scheduling import SchedulerPolicy
     from areal.engines.torch_infer import weights_from_safetensors
     from areal.services.rollout import RolloutService

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal.bus.client import Bus
 from areal.config import RunSettings
 from areal.config_views import TrainerView
 from areal.launch.worker import RoleSpec, resolve_model_path
 from areal.launch.worker import main as worker_main
+
+if TYPE_CHECKING:  # heavy: imported inside build() at run time
+    from areal.services.trainer import TrainerService
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ def prepare(settings: RunSettings, worker_id: str) -> TrainerParts:
     return TrainerParts(view, engine)
 
 
-def build(parts: TrainerParts, bus: Bus):
+def build(parts: TrainerParts, bus: Bus) -> TrainerService:
     from pathlib import Path
 
     from areal.core.intake import IntakePolicy

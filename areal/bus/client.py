@@ -32,7 +32,13 @@ from areal.bus.codec import DecodeError, decode, encode
 from areal.bus.connection import connect
 from areal.bus.embedded import MAX_PAYLOAD_BYTES
 from areal.bus.errors import MessageTooLarge
-from areal.bus.events import BusSubscription, EventSubscription, subscribe_events
+from areal.bus.events import (
+    BusSubscription,
+    EventSubscription,
+    OnMetric,
+    subscribe_decoded,
+    subscribe_events,
+)
 from areal.bus.jetstream import PublishAcks, PullInbox
 from areal.bus.kv import KVWatch, RunStateKV
 from areal.bus.lease import Lease
@@ -158,6 +164,11 @@ class Bus:
     ) -> EventSubscription:
         """Live events `areal.<run>.events.<kind>` (core subscription; malformed ones skipped)."""
         return await subscribe_events(self._nc, self.names.events_subject(kind), cb)
+
+    async def subscribe_metrics(self, role: str, type_: str, cb: OnMetric) -> BusSubscription:
+        """Live metrics `areal.<run>.metrics.<role>.<type>` (e.g. the trainer's `step` records)."""
+        subject = f"{self.names.metrics_subject(role)}.{type_}"
+        return await subscribe_decoded(self._nc, subject, MetricRecord, cb)
 
     # ---------------------------------------------------------------- publishing
     async def publish(

@@ -1,13 +1,15 @@
-"""Run events (`areal.<run>.events.<kind>`) delivered live to a typed callback.
+"""Run events (`areal.<run>.events.<kind>`) and metrics (`areal.<run>.metrics.<role>.<type>`)
+delivered live to a typed callback.
 
-A core subscription: it sees events published from the moment it exists (events are also kept
-in the run's events stream for replay, `areal tap events --history N`). A message that does not
-decode as a `schemas.Event` is logged and skipped; the subscription keeps going.
+A core subscription: it sees messages published from the moment it exists (both are also kept
+in the run's streams for replay, `areal tap events --history N`). A message that does not
+decode as the expected model is logged and skipped; the subscription keeps going.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import structlog
 from nats.aio.client import Client
@@ -15,11 +17,13 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from areal.bus.codec import DecodeError, decode
-from schemas import Event
+from schemas import Event, Message, MetricRecord
 
 log = structlog.get_logger()
 
+M = TypeVar("M", bound=Message)
 OnEvent = Callable[[Event], Awaitable[None]]
+OnMetric = Callable[[MetricRecord], Awaitable[None]]
 
 
 class BusSubscription:
@@ -37,13 +41,20 @@ class EventSubscription(BusSubscription):
     """A live subscription to one kind of run event."""
 
 
-async def subscribe_events(nc: Client, subject: str, cb: OnEvent) -> EventSubscription:
+async def subscribe_decoded(
+    nc: Client, subject: str, cls: type[M], cb: Callable[[M], Awaitable[None]]
+) -> BusSubscription:
     async def on_msg(msg: Msg) -> None:
         try:
-            event = decode(msg.data, Event)
+            obj = decode(msg.data, cls)
         except DecodeError as e:
-            log.warning("bad_event", subject=msg.subject, reason=str(e))
+            log.warning("bad_live_message", subject=msg.subject, reason=str(e))
             return
-        await cb(event)
+        await cb(obj)
 
-    return EventSubscription(await nc.subscribe(subject, cb=on_msg), subject)
+    return BusSubscription(await nc.subscribe(subject, cb=on_msg), subject)
+
+
+async def subscribe_events(nc: Client, subject: str, cb: OnEvent) -> EventSubscription:
+    sub = await subscribe_decoded(nc, subject, Event, cb)
+    return EventSubscription(sub._sub, subject)

@@ -133,24 +133,22 @@ class Launcher:
         return "\n".join(lines[-n:])
 
     async def _watch(self) -> int:
+        from areal.bus.client import Bus
         from areal.launch.progress import StepProgress
+        from schemas import MetricRecord
 
         progress = StepProgress(self.s.train.total_steps, quiet=self.quiet)
-        nc = None
-        with contextlib.suppress(Exception):
-            from areal.bus.codec import decode
-            from areal.bus.connection import connect
-            from schemas import MetricRecord, RunNames
+        assert self.s.nats.url is not None
 
-            nc = await connect(self.s.nats.url, "areal-launcher")
+        async def on_step(rec: MetricRecord) -> None:
+            progress.update(rec.values)
 
-            async def on_step(msg) -> None:
-                with contextlib.suppress(Exception):
-                    progress.update(decode(msg.data, MetricRecord).values)
-
-            await nc.subscribe(
-                RunNames(self.s.run_id).metrics_subject("trainer") + ".step", cb=on_step
-            )
+        # the progress bar is a view: the run goes on without it (declare=False: the workers
+        # own the run's streams)
+        bus = await Bus.connect(
+            self.s.nats.url, self.s.run_id, "launcher", "launcher", self.s.nats, declare=False
+        )
+        await bus.subscribe_metrics("trainer", "step", on_step)
         try:
             with progress:
                 while True:
@@ -180,9 +178,7 @@ class Launcher:
                         self._start(wid)
                     await asyncio.sleep(0.2)
         finally:
-            if nc is not None:
-                with contextlib.suppress(Exception):
-                    await nc.close()
+            await bus.close()
 
     def run(self) -> int:
         t0 = time.time()
