@@ -16,12 +16,13 @@ checkpoint write lands (acks), ack-wait expiry (a held message is delivered agai
 a redelivery of a task still being generated to the same worker, any actor dying (and a later
 restart), and acks or naks lost on the way (the message comes back after ack-wait).
 
-One protocol difference from the brief, on purpose (`SimConfig.durable_slots`, default on): the
-trainer gives retired groups' slots back (KV `returned`) only once a checkpoint covering the
-retirement is written, and checkpoints at once when it retires groups. Giving them back at once
-(`durable_slots=False`) over-admits after a trainer restart: the checkpoint restores a lower
-`returned` than the controller already admitted against (`strict_over_admission`), and a task
-admitted on the lost slot can still be in flight when the run ends.
+The trainer gives retired groups' slots back (KV `returned`, `Intake.kv_state`) only once a
+checkpoint covering the retirement is written, and checkpoints when it retired groups and has no
+batch to train, as the trainer service does. `SimConfig.durable_slots=False` models the earlier
+protocol (slots back at once): it over-admits after a trainer restart, because the checkpoint
+restores a lower `returned` than the controller already admitted against
+(`strict_over_admission`), and a task admitted on the lost slot can still be in flight when the
+run ends. The streams are modelled in `areal.core.sim_streams`.
 
 Ground truth kept here (see `violations()`): task messages ever published, the trainer's lineage
 of task ends (in memory since the last written checkpoint, and durable), token versions. Checks:
@@ -39,12 +40,12 @@ import random
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from areal.algo.staleness import admission_capacity, sample_staleness
 from areal.core.admission import Admission, AdmissionPolicy
 from areal.core.intake import Filed, Intake, IntakePolicy, token_versions
 from areal.core.scheduling import Scheduler, SchedulerPolicy
+from areal.core.sim_streams import Msg, SimLease, Stream, expire
 from schemas import Sample, ScoredSample
 from schemas.arrays import PackedArray
 from schemas.state import CheckpointState, ControllerState, TrainerState
@@ -103,65 +104,6 @@ def sim_reward(task_id: str, index: int) -> float:
 
 
 @dataclass
-class _Msg:
-    seq: int
-    msg_id: str
-    body: Any
-    out: bool = False  # delivered and not yet settled or expired
-    delivered_at: int = 0
-    holder: str = ""  # the incarnation that took the last delivery
-
-
-class SimLease:
-    """A delivery's handle (the bus `Lease` in production): `ack()` / `nak()`, maybe lost."""
-
-    __slots__ = ("msg", "stream")
-
-    def __init__(self, stream: _Stream, msg: _Msg) -> None:
-        self.stream, self.msg = stream, msg
-
-    def ack(self) -> None:
-        self.stream.settle(self.msg, ack=True)
-
-    def nak(self) -> None:
-        self.stream.settle(self.msg, ack=False)
-
-
-class _Stream:
-    """A work queue: msg-id de-duplication, any lease's ack removes the message."""
-
-    def __init__(self, sim: Sim, dedup: bool, window: int | None) -> None:
-        self.sim, self.dedup, self.window = sim, dedup, window
-        self.msgs: dict[int, _Msg] = {}  # unacked
-        self.seen: dict[str, int] = {}  # msg-id -> publish time
-        self.n_published = 0
-
-    def publish(self, msg_id: str, body: Any) -> bool:
-        now, t = self.sim.n_events, self.seen.get(msg_id)
-        if self.dedup and t is not None and (self.window is None or now - t < self.window):
-            return False
-        self.seen[msg_id] = now
-        self.msgs[self.n_published] = _Msg(self.n_published, msg_id, body)
-        self.n_published += 1
-        return True
-
-    def available(self) -> list[_Msg]:
-        return [m for m in self.msgs.values() if not m.out]
-
-    def deliver(self, msg: _Msg, holder: str) -> SimLease:
-        msg.out, msg.delivered_at, msg.holder = True, self.sim.n_events, holder
-        return SimLease(self, msg)
-
-    def settle(self, msg: _Msg, *, ack: bool) -> None:
-        if self.sim.lost():
-            return  # never reaches the server: the message comes back after ack-wait
-        if ack:
-            self.msgs.pop(msg.seq, None)
-        elif msg.seq in self.msgs:
-            msg.out = False
-
-
-@dataclass
 class _Gen:
     """A request generating on a worker: its tokens' versions so far."""
 
@@ -204,8 +146,8 @@ class Sim:
         self.make_intake = make_intake
         self.rng = random.Random(cfg.seed)
         self.n_events = 0
-        self.prompts = _Stream(self, cfg.task_dedup, None)
-        self.samples = _Stream(self, True, cfg.sample_dedup_window)
+        self.prompts = Stream(self, cfg.task_dedup, None)
+        self.samples = Stream(self, True, cfg.sample_dedup_window)
         self.kv_controller: ControllerState | None = None
         self.kv_trainer = TrainerState()
         self.announced: list[int] = []
@@ -290,7 +232,7 @@ class Sim:
         self.adm = self.make_admission(self.adm_policy, self.kv_controller)
 
     # ------------------------------------------------------------------ rollout workers
-    def _deliver(self, w: _Worker, msg: _Msg) -> None:
+    def _deliver(self, w: _Worker, msg: Msg) -> None:
         assert w.sched is not None
         body: SimTask = msg.body
         lease = self.prompts.deliver(msg, w.holder)
@@ -393,7 +335,7 @@ class Sim:
             self.found.append(f"announced v{version} after v{self.announced[-1]}")
         self.announced.append(version)
 
-    def _file(self, msg: _Msg) -> None:
+    def _file(self, msg: Msg) -> None:
         assert self.intake is not None
         lease = self.samples.deliver(msg, "trainer")
         filed = self.intake.file(msg.body, lease)
@@ -518,10 +460,10 @@ class Sim:
         expired = [m for m in out if self.n_events - m.delivered_at >= self.cfg.ack_wait]
         if expired:
             m = self.rng.choice(expired)
-            ev.append(("ack_wait_expiry", 1.0, lambda m=m: _expire(m)))
+            ev.append(("ack_wait_expiry", 1.0, lambda m=m: expire(m)))
         if out:
             m = self.rng.choice(out)
-            ev.append(("early_expiry", f.duplicate, lambda m=m: _expire(m)))
+            ev.append(("early_expiry", f.duplicate, lambda m=m: expire(m)))
         return [e for e in ev if e[1] > 0]
 
     def step(self) -> str:
@@ -552,10 +494,6 @@ class Sim:
             if check is not None:
                 check()
         return self.finished
-
-
-def _expire(msg: _Msg) -> None:
-    msg.out = False  # ack-wait passed: delivered again (the old lease still settles it)
 
 
 def task_id(seq: int) -> str:
