@@ -7,7 +7,16 @@ errors come back at once.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
+
+# `areal worker ROLE`: each role is `workers/<role>.py` (its --help lists the role's flags)
+WORKER_ROLES = {
+    "controller": "publishes tasks while the staleness rule admits them (one per run)",
+    "rollout": "generates samples with the current policy (any number of replicas)",
+    "reward": "scores samples with the reward function (any number of replicas)",
+    "trainer": "trains on scored samples, publishes weights, checkpoints (one per run)",
+}
 
 
 def _parse_replicas(text: str) -> dict[str, int]:
@@ -42,14 +51,42 @@ def cmd_run(args: argparse.Namespace) -> int:
     from areal.launch.local import Launcher
 
     return Launcher(
-        settings, resume=args.resume, quiet=args.quiet, max_restarts=args.max_restarts
+        settings,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        quiet=args.quiet,
+        max_restarts=args.max_restarts,
     ).run()
 
 
-def cmd_worker(args: argparse.Namespace, rest: list[str]) -> int:
+def worker_usage() -> str:
+    roles = "\n".join(f"  {role:<11} {what}" for role, what in WORKER_ROLES.items())
+    return (
+        "usage: areal worker ROLE [--config FILE | --join RUN_ID] [--nats-url URL] "
+        "[--worker-id ID] [--set KEY=VALUE ...]\n\n"
+        f"Run one replica of a role against a NATS server.\n\nroles:\n{roles}\n\n"
+        "`areal worker ROLE --help` lists the role's options."
+    )
+
+
+def cmd_worker(argv: list[str]) -> int:
+    """`areal worker [ROLE] ...`: dispatched by hand so `--help` works without a role and a
+    role's own parser (in `workers/<role>.py`, light imports only) sees all its arguments."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(worker_usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    role, rest = argv[0], argv[1:]
+    if role not in WORKER_ROLES:
+        close = difflib.get_close_matches(role, list(WORKER_ROLES), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        print(
+            f"areal worker: unknown role {role!r}; {hint}roles: {', '.join(WORKER_ROLES)}",
+            file=sys.stderr,
+        )
+        return 2
     import importlib
 
-    return importlib.import_module(f"workers.{args.role}").main(rest)
+    return importlib.import_module(f"workers.{role}").main(rest)
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -84,8 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config field, e.g. --set algo.max_staleness=2",
     )
-    r.add_argument(
-        "--resume", action="store_true", help="continue the run in --out instead of starting fresh"
+    fresh = r.add_mutually_exclusive_group()
+    fresh.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out (a larger --set train.total_steps extends a finished run)",
+    )
+    fresh.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run artifacts already in --out (only those) and start a new run; "
+        "without it a non-empty --out is refused",
     )
     r.add_argument("--quiet", action="store_true", help="no progress output")
     r.add_argument(
@@ -97,11 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.set_defaults(fn=cmd_run)
 
-    w = sub.add_parser(
-        "worker", help="run one replica of a role against a NATS server", add_help=False
+    # listed here for `areal --help`; `main` dispatches `areal worker ...` itself (cmd_worker)
+    sub.add_parser(
+        "worker",
+        help=f"run one replica of a role against a NATS server ({' | '.join(WORKER_ROLES)})",
+        add_help=False,
     )
-    w.add_argument("role", choices=["controller", "rollout", "reward", "trainer"])
-    w.set_defaults(fn=None)
 
     s = sub.add_parser("schema", help="print the JSON Schema of every wire message")
     s.set_defaults(fn=cmd_schema)
@@ -119,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = build_parser()
     if argv[:1] == ["worker"]:
-        args, rest = p.parse_known_args(argv)
-        return cmd_worker(args, rest)
+        return cmd_worker(argv[1:])
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -9,7 +9,9 @@ and the fix (`ConfigError`).
 from __future__ import annotations
 
 import contextvars
+import difflib
 import os
+import re
 import socket
 import uuid
 from pathlib import Path
@@ -60,13 +62,27 @@ class NatsSettings(_Part):
     history_max_age_s: float = Field(
         7 * 24 * 3600.0,
         gt=0,
-        description="how long the metrics, events and dlq streams keep a message (s)",
+        description="how long the metrics, events and dlq streams keep a message (s); older "
+        "ones are discarded",
     )
-    history_max_bytes: int = Field(
-        512 * 1024 * 1024,
+    history_max_msgs_per_subject: int = Field(
+        100_000,
+        ge=1,
+        description="messages each subject of the metrics, events and dlq streams keeps (one "
+        "subject per kind, e.g. metrics.trainer.step, metrics.rollout.heartbeat); the oldest "
+        "go first. Reserves nothing on the server. The default keeps the step records of a "
+        "100k-step run and ~2 days of one worker's heartbeats (one per 2 s per worker); raise "
+        "it for longer runs or many workers when `areal top` / `tap --history` should see all",
+    )
+    history_max_bytes: int | None = Field(
+        None,
         ge=1024 * 1024,
-        description="most bytes each of the metrics, events and dlq streams keeps (bytes); "
-        "the oldest messages go first",
+        description="byte cap of each of the metrics, events and dlq streams (bytes; the oldest "
+        "go first); None = no byte cap and nothing reserved. nats-server reserves a stream's "
+        "byte cap against its JetStream limit (max_file_store; max_memory_store with "
+        "memory_storage) at creation, used or not, so each run reserves 3x this: set it only "
+        "on a server sized for (concurrent runs) x 3 x this, e.g. 256 MiB for a big run on a "
+        "server with several GB",
     )
     weights_keep: int = Field(
         4, ge=1, description="newest weight versions kept (object store or weights dir)"
@@ -76,6 +92,25 @@ class NatsSettings(_Part):
         gt=0,
         description="wait for a JetStream publish ack before retrying with the same "
         "Nats-Msg-Id (s)",
+    )
+    listen_host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="address the embedded nats-server (areal run without nats.url) listens on; "
+        "0.0.0.0 lets workers on other hosts join (`areal worker ROLE --join RUN_ID`). WARNING: "
+        "the embedded server has no authentication or TLS: anyone who reaches this address "
+        "can read, write and delete every run on it; open it only on a trusted network",
+    )
+    listen_port: int | None = Field(
+        None, ge=1, le=65535, description="port of the embedded nats-server; None = a free port"
+    )
+    share_max_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="most bytes `areal run` uploads to the run's files bucket (the model dir, "
+        "then the data file) so that `areal worker ROLE --join RUN_ID` works on another host "
+        "(bytes); larger ones are not shared (give those hosts a local copy and --set "
+        "model.path=... / data.source=...); 0 = share only the config",
     )
 
 
@@ -103,6 +138,12 @@ class ModelSettings(_Part):
         None,
         ge=0,
         description="supervised steps that warm-start the tiny preset (cached); None = task default",
+    )
+    warm_start_lock_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="most seconds to wait while another process builds the same warm-started "
+        "model (its holder and the wait are logged every 15 s); then the run fails naming it",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype")
     device: str = Field("cpu", description="torch device for both engines, e.g. cpu or cuda")
@@ -253,7 +294,11 @@ class RunSettings(BaseSettings):
                 f"{n_seqs} samples of a step (algo.batch_size * algo.group_size)"
             )
         if self.model.path is not None and not Path(self.model.path).is_dir():
-            raise ValueError(f"model.path {self.model.path!r} is not a directory")
+            raise ValueError(
+                f"model.path {self.model.path!r} is not a directory on this host; a worker on "
+                "another host joins with `areal worker ROLE --join RUN_ID --nats-url URL` "
+                "(fetches the run's model) or --set model.path=<a local copy>"
+            )
         src = self.data.source
         if not src.startswith("synthetic:") and not Path(src).is_file():
             raise ValueError(
@@ -276,7 +321,10 @@ class _YamlSource(PydanticBaseSettingsSource):
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """`a.b=c` strings -> nested dict; values parsed as YAML scalars (`true`, `3`, `[1,2]`)."""
+    """`a.b=c` strings -> nested dict; values parsed as YAML scalars (`true`, `3`, `[1,2]`).
+
+    A malformed item (no `=`, an empty key part) or two items that disagree on whether a key is
+    a section (`--set algo=1 --set algo.batch_size=2`) is a `ConfigError` naming the item."""
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
@@ -284,27 +332,128 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                 f"--set {item!r}: expected key=value, e.g. --set algo.max_staleness=2"
             )
         key, raw = item.split("=", 1)
-        node = out
         parts = key.strip().split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
+        if not all(p.strip() for p in parts):
+            raise ConfigError(
+                f"--set {item!r}: the key has an empty part; expected e.g. algo.max_staleness=2"
+            )
+        node = out
+        for i, p in enumerate(parts[:-1]):
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"--set {item!r}: {'.'.join(parts[: i + 1])} was already set to a value; "
+                    "set either the section's fields or the whole section, not both"
+                )
+            node = child
+        if isinstance(node.get(parts[-1]), dict):
+            raise ConfigError(
+                f"--set {item!r}: {key.strip()} is a section whose fields are set too; "
+                "set either the section's fields or the whole section, not both"
+            )
         node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
     return out
 
 
-def _format_errors(e: ValidationError) -> str:
+def _section_model(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The settings model of section `loc` of `RunSettings` (None when `loc` is not one)."""
+    model: type[BaseModel] = RunSettings
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = field.annotation if field is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def _all_keys(model: type[BaseModel] = RunSettings, prefix: str = "") -> list[str]:
+    """Every dotted setting name of `model` (`algo.max_staleness`, ...), sections included."""
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _all_keys(ann, f"{prefix}{name}.")
+    return keys
+
+
+def suggest_key(loc: tuple[int | str, ...]) -> str | None:
+    """The setting an unknown key `loc` most likely meant (difflib): a sibling with a close name
+    (`algo.max_stalenes` -> `algo.max_staleness`), else a setting of that name in another
+    section (`max_staleness` -> `algo.max_staleness`); None when nothing is close."""
+    *parent, name = (str(p) for p in loc)
+    section = _section_model(tuple(parent))
+    if section is not None:
+        close = difflib.get_close_matches(name, list(section.model_fields), n=1, cutoff=0.6)
+        if close:
+            return ".".join([*parent, close[0]])
+    by_leaf: dict[str, str] = {}
+    for key in _all_keys():
+        by_leaf.setdefault(key.rsplit(".", 1)[-1], key)
+    close = difflib.get_close_matches(name, list(by_leaf), n=1, cutoff=0.8)
+    return by_leaf[close[0]] if close else None
+
+
+def _has_key(data: Any, loc: tuple[int | str, ...]) -> bool:
+    for part in loc:
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
+def _where(loc: tuple[int | str, ...], overrides: dict[str, Any], yaml_path: Path | None) -> str:
+    """Which source set `loc`: the --set items, the YAML file, else the environment."""
+    if _has_key(overrides, loc):
+        return "--set"
+    if yaml_path is not None and _has_key(_YAML_DATA.get() or {}, loc):
+        return str(yaml_path)
+    return "the environment: AREAL_" + "__".join(str(p).upper() for p in loc)
+
+
+def _literal_hint(err: Any) -> str:
+    """`did you mean 'vllm'?` for a value close to one of a Literal's choices, else ""."""
+    expected = re.findall(r"'([^']*)'", str(err.get("ctx", {}).get("expected", "")))
+    got = err.get("input")
+    if not isinstance(got, str) or not expected:
+        return ""
+    close = difflib.get_close_matches(got, expected, n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else ""
+
+
+def _format_errors(
+    e: ValidationError, overrides: dict[str, Any] | None = None, yaml_path: Path | None = None
+) -> str:
+    """One line per error: the setting, what is wrong, the value, the fix. An unknown key gets
+    "did you mean <the closest setting>" (never advice to set the typo) and names its source."""
     lines = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "<config>"
+        loc = tuple(err["loc"])
+        name = ".".join(str(x) for x in loc) or "<config>"
+        if err["type"] == "extra_forbidden":
+            where = _where(loc, overrides or {}, yaml_path)
+            guess = suggest_key(loc)
+            if guess is not None:
+                fix = f"did you mean {guess}?"
+            else:
+                section = _section_model(loc[:-1])
+                known = ", ".join(section.model_fields) if section is not None else "none"
+                fix = f"the settings here are: {known}"
+            lines.append(f"config error: {name}: unknown setting (from {where}); {fix}")
+            continue
         got = (
             f" (got {err['input']!r})"
             if "input" in err and not isinstance(err["input"], dict)
             else ""
         )
+        hint = _literal_hint(err) if err["type"] == "literal_error" else ""
         fix = (
-            f"set it in the YAML or with --set {loc}=..." if loc != "<config>" else "fix the config"
+            hint
+            or (f"set it in the YAML or with --set {name}=..." if name != "<config>" else "")
+            or "fix the config"
         )
-        lines.append(f"config error: {loc}: {err['msg']}{got}; {fix}")
+        lines.append(f"config error: {name}: {err['msg']}{got}; {fix}")
     return "\n".join(lines)
 
 
@@ -312,8 +461,8 @@ def load_settings(
     path: str | os.PathLike | None = None, overrides: list[str] | None = None
 ) -> RunSettings:
     data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
+    p = Path(path) if path is not None else None
+    if p is not None:
         if not p.is_file():
             raise ConfigError(f"config file {p} not found")
         try:
@@ -324,11 +473,12 @@ def load_settings(
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         if p.suffix == ".json":
             data.pop("resolved_at", None)
+    override_data = parse_overrides(overrides or [])
     token = _YAML_DATA.set(data)
     try:
-        return RunSettings(**parse_overrides(overrides or []))
+        return RunSettings(**override_data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e)) from None
+        raise ConfigError(_format_errors(e, override_data, p)) from None
     finally:
         _YAML_DATA.reset(token)
 

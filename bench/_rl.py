@@ -200,7 +200,8 @@ def run_areal(
     code = code_state()
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
-    with open(out_dir / "launcher.log", "wb") as logf:
+    launcher_log = out_dir.with_name(out_dir.name + ".launcher.log")  # beside: --out stays empty
+    with open(launcher_log, "wb") as logf:
         proc = subprocess.Popen(
             cmd, cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )
@@ -231,7 +232,7 @@ def run_areal(
         res.summary = json.loads((out_dir / "summary.json").read_text())
     res.heartbeats = read_heartbeats(nats_url, run_id)
     if rc != 0:
-        tail = (out_dir / "launcher.log").read_text(errors="replace")[-1500:]
+        tail = launcher_log.read_text(errors="replace")[-1500:]
         print(f"  !! {name}: areal run exited {rc}; launcher log tail:\n{tail}", file=sys.stderr)
     return res
 

@@ -7,18 +7,20 @@ Names:
 - subjects: `areal.<run>.<stream>[.<rest>...]`;
 - streams: `AREAL_<RUN>_<STREAM>` (`<RUN>` = the run id upper-cased, `<STREAM>` one of
   `ALL_STREAMS` upper-cased); stream and bucket names cannot contain dots;
-- buckets: `areal_<run>_state` (KV run state), `areal_<run>_weights` (object store).
+- buckets: `areal_<run>_state` (KV run state), `areal_<run>_weights` (object store),
+  `areal_<run>_files` (object store: the config and model a joining worker fetches).
 
 Why the names are injective: a run id is `^[a-z0-9][a-z0-9_-]{0,63}$`. On that alphabet
 upper-casing is a bijection (each of `a-z` has one upper-case image, digits, `_` and `-` are
 unchanged), so `<RUN>` determines the run id (`<RUN>.lower()`). No stream constant contains
 `_`, so in `AREAL_<RUN>_<STREAM>` the stream is what follows the last `_` and `<RUN>` is what
 lies between the prefix `AREAL_` and that `_`: a stream name is split back into exactly one
-(run id, stream) pair. Bucket names end in the fixed `_state` / `_weights`, so the run id is
-what lies between `areal_` and that suffix. Hence two different run ids (`run-a`, `run_a`) never
-share a name. Nothing is mapped to `_` (the old `-` -> `_` mapping made `run-a` and `run_a`
-collide), and run ids are lower-case because stream and bucket names become directories in the
-server's store, which some file systems compare case-insensitively (`RUN_A` vs `run_a`).
+(run id, stream) pair. Bucket names end in the fixed `_state` / `_weights` / `_files`, so the
+run id is what lies between `areal_` and that suffix. Hence two different run ids (`run-a`,
+`run_a`) never share a name. Nothing is mapped to `_` (the old `-` -> `_` mapping made `run-a`
+and `run_a` collide), and run ids are lower-case because stream and bucket names become
+directories in the server's store, which some file systems compare case-insensitively
+(`RUN_A` vs `run_a`).
 """
 
 from __future__ import annotations
@@ -108,3 +110,9 @@ class RunNames:
     def weights_bucket(self) -> str:
         """Object store bucket for policy weights (safetensors)."""
         return f"areal_{self.run_id}_weights"
+
+    @property
+    def files_bucket(self) -> str:
+        """Object store bucket for the files a worker on another host joins with (the run's
+        config, model dir and data file; `areal.bus.run_files`)."""
+        return f"areal_{self.run_id}_files"

@@ -5,6 +5,13 @@ Work-queue streams (prompts, trajectories, rewards) keep each message until the 
 consumer of the next stage acknowledges it; limits streams (weights, metrics, events, dlq) keep
 history by count/age so anyone can replay it.
 
+Storage: nats-server reserves a stream's `max_bytes` against its JetStream storage limit
+(`max_file_store`, or `max_memory_store` for memory streams) when the stream is created, used or
+not, and refuses a stream that does not fit (error 10047; 10028 for memory). So no stream of a
+run sets `max_bytes` unless `nats.history_max_bytes` asks for it: the history streams (metrics,
+events, dlq) discard their oldest messages by count per subject and by age instead, and a run
+reserves nothing. Several runs then share a modest server (two on a 2 GB one, and more).
+
 Invariants:
 - a stream is created, or, when it exists with exactly this run's subjects (the same run, maybe
   with changed limits), updated to our limits; a stream with our name and other subjects belongs
@@ -12,7 +19,8 @@ Invariants:
   `schemas.subjects`, so this only happens with a stream made by hand or by an older naming);
 - a stage's durable consumer is created, or updated when only its limits (ack wait, deliveries)
   differ; one with another shape (push delivery, a filter, another ack policy) raises
-  `RunConflictError` untouched.
+  `RunConflictError` untouched;
+- a server out of JetStream storage raises `StorageLimitError` naming the setting and the fix.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from areal.bus.embedded import MAX_PAYLOAD_BYTES
 from areal.bus.errors import RunConflictError
@@ -43,13 +51,25 @@ _STREAM_LIMITS = (
     "max_msgs",
     "max_age",
     "max_bytes",
+    "max_msgs_per_subject",
     "discard",
 )
 _CONSUMER_LIMITS = ("ack_wait", "max_deliver", "max_ack_pending", "max_waiting")
 _FIX = "choose another run id, or delete the old run's streams (`nats stream rm NAME`)"
+# JetStream error codes: no storage (file) / memory left to create or grow a stream.
+_NO_STORAGE = {10047: "file", 10028: "memory"}
+UNLIMITED = -1  # nats-server's "no limit" for max_msgs / max_bytes
+
+
+class StorageLimitError(RuntimeError):
+    """The NATS server refused one of the run's streams for lack of JetStream storage."""
 
 
 def stream_config(names: RunNames, stream: str, nats: NatsSettings) -> StreamConfig:
+    """The stream's config. Its limits are explicit values (a None one is the server's default
+    and never compared), so redeclaring an unchanged run updates nothing; `max_bytes` is
+    `UNLIMITED` (reserves nothing) unless `nats.history_max_bytes` sets it for the history
+    streams."""
     storage = StorageType.MEMORY if nats.memory_storage else StorageType.FILE
     one_subject = stream in S.WORK_QUEUE_STREAMS or stream == S.WEIGHTS
     common = dict(
@@ -60,17 +80,56 @@ def stream_config(names: RunNames, stream: str, nats: NatsSettings) -> StreamCon
         duplicate_window=nats.duplicate_window_s,
     )
     if stream in S.WORK_QUEUE_STREAMS:
-        return StreamConfig(retention=RetentionPolicy.WORK_QUEUE, **common)
+        return StreamConfig(
+            retention=RetentionPolicy.WORK_QUEUE,
+            max_msgs=UNLIMITED,
+            max_bytes=UNLIMITED,
+            **common,
+        )
     if stream == S.WEIGHTS:
         return StreamConfig(
-            retention=RetentionPolicy.LIMITS, max_msgs=nats.weights_keep * 4, **common
+            retention=RetentionPolicy.LIMITS,
+            max_msgs=nats.weights_keep * 4,
+            max_bytes=UNLIMITED,
+            **common,
         )
+    max_bytes = nats.history_max_bytes
     return StreamConfig(
         retention=RetentionPolicy.LIMITS,
+        max_msgs=UNLIMITED,
         max_age=nats.history_max_age_s,
-        max_bytes=nats.history_max_bytes,
+        max_bytes=UNLIMITED if max_bytes is None else max_bytes,
+        max_msgs_per_subject=nats.history_max_msgs_per_subject,
         discard=DiscardPolicy.OLD,
         **common,
+    )
+
+
+def _limits_differ(current: StreamConfig, cfg: StreamConfig) -> bool:
+    """Whether a limit we set differs on the server (a field we leave unset is the server's)."""
+    return any(
+        getattr(cfg, f) is not None and getattr(current, f) != getattr(cfg, f)
+        for f in _STREAM_LIMITS
+    )
+
+
+def _storage_error(e: APIError, nats: NatsSettings) -> StorageLimitError:
+    kind = _NO_STORAGE.get(e.err_code or 0, "file")
+    limit = "max_memory_store" if kind == "memory" else "max_file_store"
+    if nats.history_max_bytes is not None:
+        cause = (
+            f"nats.history_max_bytes={nats.history_max_bytes} reserves that much per history "
+            "stream (3 per run) whether used or not; unset it (--set nats.history_max_bytes=null) "
+            f"or lower it, or raise the server's jetstream {limit}"
+        )
+    else:
+        cause = (
+            f"its {kind} store is full or reserved by other streams: remove old runs' streams "
+            f"(`nats stream ls`, `nats stream rm NAME`) or raise the server's jetstream {limit}"
+        )
+    return StorageLimitError(
+        f"the NATS server has no JetStream {kind} storage left for this run "
+        f"(error {e.err_code}: {e.description}): {cause}"
     )
 
 
@@ -112,7 +171,7 @@ async def declare_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
             if current is None:
                 raise
     _check_owner(current, cfg)
-    if any(getattr(current, f) != getattr(cfg, f) for f in _STREAM_LIMITS):
+    if _limits_differ(current, cfg):
         await js.update_stream(cfg)  # the same run with changed limits
 
 
@@ -169,9 +228,14 @@ async def declare_run(js: JetStreamContext, names: RunNames, nats: NatsSettings)
             existing = await _consumer_config_of(js, cfg.name, durable)
             if existing is not None:
                 _check_consumer(existing, cfg.name, consumers[stream])
-    for cfg in streams.values():
-        await declare_stream(js, cfg)
-    for stream, ccfg in consumers.items():
-        await declare_consumer(js, streams[stream].name, ccfg)
-    await js.create_key_value(bucket=names.state_bucket, history=1)
-    await js.create_object_store(bucket=names.weights_bucket)
+    try:
+        for cfg in streams.values():
+            await declare_stream(js, cfg)
+        for stream, ccfg in consumers.items():
+            await declare_consumer(js, streams[stream].name, ccfg)
+        await js.create_key_value(bucket=names.state_bucket, history=1)
+        await js.create_object_store(bucket=names.weights_bucket)
+    except APIError as e:
+        if e.err_code in _NO_STORAGE:
+            raise _storage_error(e, nats) from None
+        raise

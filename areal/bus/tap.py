@@ -6,12 +6,16 @@ Invariants (DESIGN section 3, "Tapping"):
   a work queue) or peeked by sequence (`STREAM.MSG.GET` does not remove anything);
 - history on limits streams comes from ordered consumers (ephemeral, ack none, in memory);
 - an observer never declares streams or buckets: attaching to a run that does not exist is an
-  error that names the fix, not a new empty run.
+  error that names the fix, not a new empty run;
+- an observer never waits in silence: it connects with `OBSERVER_PATIENCE` (a dead address is a
+  `ConnectionError` within `first_connect_s`), and `TapClient.lost` is set, with the reason,
+  once its server has been gone for `reconnect_s`.
 The monitor package sees only `TapMessage` / `QueueStats`, never a `nats` object.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 import json
@@ -26,13 +30,23 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 
-from areal.bus.connection import connect
+from areal.bus.connection import Patience, connect
 from schemas import subjects as S
 from schemas.subjects import RunNames, run_of_stream
 
 # Observers may buffer a burst of big samples; a slow tap drops its own messages, never the
 # pipeline's (core NATS drops for the slow subscriber only).
 _PENDING_BYTES = 512 * 1024 * 1024
+
+# Observers give up on a server that does not answer (first connection) or stays away (after a
+# disconnect) within these bounds, with an error naming the URL, instead of retrying forever.
+OBSERVER_PATIENCE = Patience(first_connect_s=5.0, reconnect_s=10.0)
+OBSERVER_HINT = (
+    "check --nats-url / AREAL_NATS__URL: is the run still running? A run's embedded server "
+    "lives only as long as the run, on a new port each time (its `nats.url` in the run dir's "
+    "config.json); use a server you started yourself to look at a run after it ends"
+)
+Note = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -76,15 +90,28 @@ def _ts(value: Any) -> float | None:
 class TapClient:
     """A connection that only observes one run."""
 
-    def __init__(self, nc: Client, run_id: str) -> None:
+    def __init__(self, nc: Client, run_id: str, lost: LostServer | None = None) -> None:
         self._nc, self._js = nc, nc.jetstream()
         self.names = RunNames(run_id)
         self._subs: list[Any] = []
+        self.lost = lost or LostServer()
 
     @classmethod
-    async def connect(cls, url: str, run_id: str, name: str = "areal-tap") -> TapClient:
+    async def connect(
+        cls,
+        url: str,
+        run_id: str,
+        name: str = "areal-tap",
+        *,
+        patience: Patience = OBSERVER_PATIENCE,
+        note: Note | None = None,
+    ) -> TapClient:
+        """Connect within `patience` (else `ConnectionError` naming the URL); `note` hears,
+        once, that the server has not answered yet."""
         RunNames(run_id)  # validate before connecting
-        return cls(await connect(url, f"{name}-{run_id}"), run_id)
+        lost = LostServer()
+        nc = await _observer_connect(url, f"{name}-{run_id}", patience, note, lost.set)
+        return cls(nc, run_id, lost)
 
     def subject(self, subject_suffix: str) -> str:
         """`trajectories` -> `areal.<run>.trajectories`; `metrics` -> `areal.<run>.metrics.>`."""
@@ -258,6 +285,20 @@ class TapClient:
                 out[key] = json.loads(entry.value)
         return out
 
+    async def run_finished(self) -> bool:
+        """Whether the run's trainer state says it reached its last step (`done`)."""
+        return bool((await self.kv_state()).get("trainer", {}).get("done"))
+
+    async def on_run_finished(self, cb: Callable[[], None]) -> None:
+        """Call `cb` when the run's `run_finished` event is published from now on (core
+        subscription: check `run_finished()` after this for a run that ended before)."""
+
+        async def on_msg(msg: Msg) -> None:
+            cb()
+
+        subject = self.names.events_subject("run_finished")
+        self._subs.append(await self._nc.subscribe(subject, cb=on_msg))
+
     async def close(self) -> None:
         # best effort: the observer is going away; the server drops its interest either way
         for sub in self._subs:
@@ -282,9 +323,12 @@ async def list_runs(nc: Client) -> list[str]:
     return sorted(set(runs))
 
 
-async def discover_run(url: str) -> str:
-    """The only run on the server at `url`; a clear error when there are none or several."""
-    nc = await connect(url, "areal-tap-discover")
+async def discover_run(
+    url: str, *, patience: Patience = OBSERVER_PATIENCE, note: Note | None = None
+) -> str:
+    """The only run on the server at `url`; a clear error when there are none or several (and
+    `ConnectionError` when nothing answers at `url` within `patience`)."""
+    nc = await _observer_connect(url, "areal-tap-discover", patience, note, None)
     try:
         runs = await list_runs(nc)
     finally:
@@ -295,3 +339,41 @@ async def discover_run(url: str) -> str:
     if not runs:
         raise LookupError(f"no areal run on {url} yet: start one, or pass --run ID")
     raise LookupError(f"several runs on {url} ({', '.join(runs)}): pass --run ID")
+
+
+class LostServer:
+    """Set once an observer's server has been gone for `Patience.reconnect_s` (the connection is
+    closed by then); `reason` says which server and the last error."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.reason = ""
+
+    def set(self, reason: str) -> None:
+        self.reason = reason
+        self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+
+async def _observer_connect(
+    url: str, name: str, patience: Patience, note: Note | None, on_lost: Note | None
+) -> Client:
+    """`connect` for observers: bounded patience, the observer hint in errors, and one `note`
+    when the server has not answered within a second (so a wait is never silent)."""
+    bound = (
+        ""
+        if patience.first_connect_s is None
+        else f"; giving up after {patience.first_connect_s:g} s"
+    )
+
+    def say_waiting() -> None:
+        if note is not None:
+            note(f"waiting for NATS at {url}{bound}")
+
+    waiting = asyncio.get_running_loop().call_later(1.0, say_waiting)
+    try:
+        return await connect(url, name, patience=patience, on_lost=on_lost, hint=OBSERVER_HINT)
+    finally:
+        waiting.cancel()

@@ -12,23 +12,30 @@ Invariants:
   kwargs (and the file's size and mtime for dataset files), steps, lr, batch size, seed and
   `WARM_CODE_VERSION` (bump it whenever the training code changes its result).
 - A cached directory is complete or absent: it is built in a temporary sibling directory and
-  renamed into place; an fcntl lock on `<key>.lock` makes concurrent callers (other processes)
-  wait for one build instead of racing.
+  renamed into place; an fcntl lock on `warm-<key>.lock` makes concurrent callers (other
+  processes) wait for one build instead of racing.
+- A wait for that lock is never silent and never endless: the waiter logs who holds it (pid,
+  host, what it builds, since when, written into the lock file by the holder) at once and every
+  `lock_progress_s`, and raises `WarmStartLockTimeout` after `lock_timeout_s`. The lock is
+  released when its holder exits, however it exits (flock), so it cannot go stale.
 - The caller's torch RNG state and thread count are restored afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import structlog
 import torch
@@ -39,7 +46,14 @@ from areal.data.tasks import SYNTHETIC_TASKS, TaskSource, make_task_source
 from areal.data.tiny_model import TINY_PRESET, TinyPreset, build_tiny_model
 from areal.data.tokenizer import load_tokenizer
 
-__all__ = ["DEFAULT_RECIPES", "SftRecipe", "ensure_warm_model", "evaluate_accuracy", "warm_key"]
+__all__ = [
+    "DEFAULT_RECIPES",
+    "SftRecipe",
+    "WarmStartLockTimeout",
+    "ensure_warm_model",
+    "evaluate_accuracy",
+    "warm_key",
+]
 
 WARM_CODE_VERSION = "warm-v2"
 # One intra-op thread: the tiny model's matmuls gain nothing from more, and on a shared 2-core
@@ -73,6 +87,15 @@ DEFAULT_RECIPES: dict[str, SftRecipe] = {
     "synthetic:running_sum": SftRecipe(steps=300, lr=1e-3),
 }
 FALLBACK_RECIPE = SftRecipe(steps=200, lr=1e-3)
+# A build takes ~10 s to ~3 min on a busy 2-core CPU: waiting 15 min for another process's
+# build means that process is stuck (or the machine is far too loaded) and the caller should know.
+LOCK_TIMEOUT_S = 900.0
+LOCK_PROGRESS_S = 15.0
+_LOCK_POLL_S = 0.2
+
+
+class WarmStartLockTimeout(TimeoutError):
+    """Another process held the warm-start build lock for longer than the caller would wait."""
 
 
 def cache_root(cache_dir: str | Path | None) -> Path:
@@ -160,6 +183,74 @@ def train_sft(model_dir: Path, source: TaskSource, recipe: SftRecipe, seed: int)
     return losses
 
 
+def _holder(path: Path) -> str:
+    """Who holds the lock at `path`, as its holder wrote it (best effort: it may be mid-write)."""
+    try:
+        info = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not info:
+        return "an unknown process"
+    age = time.time() - float(info.get("since", time.time()))
+    return (
+        f"pid {info.get('pid')} on {info.get('host')}, building {info.get('building')} "
+        f"for {age:.0f} s"
+    )
+
+
+@contextlib.contextmanager
+def build_lock(
+    path: Path,
+    building: str,
+    *,
+    timeout_s: float = LOCK_TIMEOUT_S,
+    progress_s: float = LOCK_PROGRESS_S,
+) -> Iterator[IO[str]]:
+    """Hold the exclusive build lock at `path` (see the module invariants): wait for it at most
+    `timeout_s`, logging who holds it at once and every `progress_s`, then record this process
+    as the holder (`building` names what it builds) until the block exits."""
+    with open(path, "a+") as lock:  # "a+": opening must not erase the holder's record
+        t0 = time.monotonic()
+        next_report = t0
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            waited = time.monotonic() - t0
+            if waited >= timeout_s:
+                raise WarmStartLockTimeout(
+                    f"gave up after {timeout_s:g} s waiting for the warm-start lock {path}, held "
+                    f"by {_holder(path)}: let that process finish or stop it, or wait longer "
+                    "(--set model.warm_start_lock_timeout_s=SECONDS)"
+                )
+            if time.monotonic() >= next_report:
+                log.info(
+                    "warm_model_lock_wait",
+                    lock=str(path),
+                    holder=_holder(path),
+                    waited_s=round(waited),
+                    gives_up_in_s=round(timeout_s - waited),
+                )
+                next_report += progress_s
+            time.sleep(min(_LOCK_POLL_S, max(0.0, timeout_s - waited)))
+        if time.monotonic() > t0 + _LOCK_POLL_S:
+            log.info(
+                "warm_model_lock_acquired", lock=str(path), waited_s=round(time.monotonic() - t0, 1)
+            )
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        lock.seek(0)
+        lock.truncate()
+        lock.write(json.dumps({**record, "building": building}))
+        lock.flush()
+        try:
+            yield lock
+        finally:  # the record goes first, then the lock (when the file closes)
+            lock.seek(0)
+            lock.truncate()
+
+
 def ensure_warm_model(
     task_spec: str = "synthetic:arithmetic",
     *,
@@ -169,10 +260,14 @@ def ensure_warm_model(
     task_kwargs: dict[str, Any] | None = None,
     lr: float | None = None,
     preset: TinyPreset = TINY_PRESET,
+    lock_timeout_s: float = LOCK_TIMEOUT_S,
+    lock_progress_s: float = LOCK_PROGRESS_S,
 ) -> Path:
     """Path of the warm-started model directory for (task, recipe, seed), building it if it is
     not cached under `cache_root(cache_dir)` (pass the settings' `cache_dir`; None = the default
-    dir). `sft_steps` / `lr` default to the task's entry in `DEFAULT_RECIPES`."""
+    dir). `sft_steps` / `lr` default to the task's entry in `DEFAULT_RECIPES`. While another
+    process builds the same model this waits for it, at most `lock_timeout_s` (then
+    `WarmStartLockTimeout`), logging the holder every `lock_progress_s`."""
     task_kwargs = dict(task_kwargs or {})
     base = DEFAULT_RECIPES.get(task_spec, FALLBACK_RECIPE)
     recipe = SftRecipe(
@@ -191,8 +286,12 @@ def ensure_warm_model(
     if final.is_dir():
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"warm-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with build_lock(
+        root / f"warm-{key}.lock",
+        final.name,
+        timeout_s=lock_timeout_s,
+        progress_s=lock_progress_s,
+    ):
         if final.is_dir():  # another process built it while we waited
             log.info("warm_model_cached", path=str(final))
             return final

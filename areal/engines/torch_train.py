@@ -207,6 +207,8 @@ class TorchTrainEngine:
             raise ValueError(f"{path}: unknown checkpoint format {state.get('format')!r}")
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:  # the config wins: a resume may change them
+            group["lr"], group["weight_decay"] = self.cfg.lr, self.cfg.weight_decay
         self.version = int(state["version"])
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] and torch.cuda.is_available():

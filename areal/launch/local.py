@@ -1,9 +1,17 @@
 """`areal run`: the local launcher.
 
-Starts an embedded nats-server (unless a URL is configured), the controller, the trainer and N
-rollout / M reward worker processes, shows a progress bar fed by the trainer's step metrics, and
-stops everything on completion, on a worker crash, or on Ctrl-C. Invariant: no child process
-outlives the launcher (they are signalled on exit and die with it via PR_SET_PDEATHSIG).
+Checks everything that can be checked (the config, extras, reward spec, dataset, model dir, the
+state of `--out`), starts an embedded nats-server (unless a URL is configured), the controller,
+the trainer and N rollout / M reward worker processes, shows a progress bar fed by the trainer's
+step metrics, and stops everything on completion, on a worker crash, or on Ctrl-C.
+
+Invariants:
+- no child process outlives the launcher (they are signalled on exit and die with it via
+  PR_SET_PDEATHSIG);
+- nothing is started and nothing in `--out` is touched before every check passed (`check`); a
+  new run never deletes data implicitly (`areal.launch.run_dir`);
+- a worker that exits with `EXIT_CONFIG` (a deterministic failure) is not restarted: the run
+  stops with its one-line reason; other crashes are restarted up to `max_restarts` times.
 """
 
 from __future__ import annotations
@@ -12,30 +20,42 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import structlog
 
 from areal.bus.embedded import EmbeddedNats, die_with_parent
-from areal.config import RunSettings
-from areal.launch.worker import resolve_model_path
+from areal.bus.errors import RunConflictError
+from areal.bus.streams import StorageLimitError
+from areal.config import ConfigError, RunSettings
+from areal.data.warm_start import WarmStartLockTimeout
+from areal.launch import run_dir
+from areal.launch.join import public_url_of, share_run
+from areal.launch.preflight import check_run
+from areal.launch.worker import EXIT_CONFIG, resolve_model_path
 
 log = structlog.get_logger()
 
-RUN_ARTIFACTS = (
-    "metrics.jsonl",
-    "summary.json",
-    "config.json",
-    "checkpoint",
-    "final",
-    "nats",
-    "logs",
-)
+RUN_ARTIFACTS = run_dir.RUN_ARTIFACTS  # kept importable from here
+Supervision = Literal["finished", "ignore", "restart", "give_up", "config_error"]
+
+
+def on_worker_exit(wid: str, returncode: int, restarts: int, max_restarts: int) -> Supervision:
+    """What the launcher does when worker `wid` has exited with `returncode`.
+
+    The trainer exiting 0 finishes the run; another role exiting 0 is done (the run finished);
+    `EXIT_CONFIG` is deterministic and never restarted; any other exit is restarted until
+    `max_restarts`, then the run gives up."""
+    if returncode == 0:
+        return "finished" if wid == "trainer-0" else "ignore"
+    if returncode == EXIT_CONFIG:
+        return "config_error"
+    return "give_up" if restarts >= max_restarts else "restart"
 
 
 class Launcher:
@@ -44,12 +64,15 @@ class Launcher:
         settings: RunSettings,
         *,
         resume: bool = False,
+        overwrite: bool = False,
         quiet: bool = False,
         max_restarts: int = 3,
     ) -> None:
+        if resume and overwrite:
+            raise ValueError("resume and overwrite exclude each other")
         self.s = settings
         self.out = Path(settings.out_dir)
-        self.resume, self.quiet = resume, quiet
+        self.resume, self.overwrite, self.quiet = resume, overwrite, quiet
         self.max_restarts = max_restarts
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {}
@@ -57,22 +80,36 @@ class Launcher:
         self._env: dict[str, str] = {}
         self.server: EmbeddedNats | None = None
 
-    def prepare(self) -> Path:
-        if not self.resume:
-            for name in RUN_ARTIFACTS:
-                p = self.out / name
-                if p.is_dir():
-                    shutil.rmtree(p)
-                elif p.exists():
-                    p.unlink()
-        (self.out / "logs").mkdir(parents=True, exist_ok=True)
-        from areal.rewards.registry import get_reward_fn
+    def check(self) -> run_dir.ResumePoint | None:
+        """Every check before anything starts; raises `ConfigError`. Returns the resume point
+        when `--resume` finds the run already finished at `train.total_steps` (nothing to do).
+        With `--overwrite` the old run's artifacts are deleted here, after all checks passed."""
+        check_run(self.s)
+        if self.resume:
+            point = run_dir.resume_point(self.out)
+            return point if point.finished_at(self.s.train.total_steps) else None
+        gone = run_dir.prepare_new(
+            self.out, overwrite=self.overwrite, weights_in_out=self.s.weights.dir is None
+        )
+        if gone:
+            names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in gone)
+            print(f"--overwrite: deleted the previous run's {names} in {self.out}", file=sys.stderr)
+        return None
 
-        get_reward_fn(self.s.reward_fn_name())  # a bad reward spec fails before anything starts
+    def prepare(self) -> Path:
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
         self.s.model.path = resolve_model_path(self.s)
         if not self.s.nats.url:
-            self.server = EmbeddedNats(store_dir=self.out / "nats").start()
+            n = self.s.nats
+            self.server = EmbeddedNats(
+                store_dir=self.out / "nats", port=n.listen_port, host=n.listen_host
+            ).start()
             self.s.nats.url = self.server.url
+        # before any worker starts: a worker on another host joins from these files
+        public_url = self.server.public_url if self.server else public_url_of(self.s.nats.url)
+        join_hint = share_run(self.s, public_url)
+        if join_hint and not self.quiet:
+            print(join_hint, file=sys.stderr)
         cfg_path = self.out / "config.json"
         cfg_path.write_text(json.dumps(self.s.model_dump(mode="json"), indent=1))
         return cfg_path
@@ -132,6 +169,44 @@ class Launcher:
         lines = (self.out / "logs" / f"{wid}.log").read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])
 
+    def _last_line(self, wid: str) -> str:
+        lines = [ln for ln in self._log_tail(wid, 5).splitlines() if ln.strip()]
+        return lines[-1] if lines else "(no output)"
+
+    def _supervise(self) -> int | None:
+        """One pass over the workers: the run's exit code once it is decided, else None."""
+        # the trainer first: its clean exit ends the run whatever the others do meanwhile
+        for wid, p in sorted(self.procs.items(), key=lambda kv: kv[0] != "trainer-0"):
+            if p.poll() is None:
+                continue
+            restarts = self.restarts.get(wid, 0)
+            action = on_worker_exit(wid, p.returncode, restarts, self.max_restarts)
+            if action == "finished":
+                return 0
+            if action == "config_error":
+                print(
+                    f"worker {wid} failed with a configuration error (not restarted): "
+                    f"{self._last_line(wid)}",
+                    file=sys.stderr,
+                )
+                return EXIT_CONFIG
+            if action == "give_up":
+                print(
+                    f"worker {wid} exited with {p.returncode} after {restarts} restarts; "
+                    f"last log lines:\n{self._log_tail(wid)}",
+                    file=sys.stderr,
+                )
+                return p.returncode or 1
+            if action == "restart":
+                # crash recovery: the bus redelivers its unfinished work; the trainer resumes
+                # from its checkpoint, the controller from its KV cursor
+                self.restarts[wid] = restarts + 1
+                log.warning(
+                    "worker_restarted", worker=wid, exit_code=p.returncode, restarts=restarts + 1
+                )
+                self._start(wid)
+        return None
+
     async def _watch(self) -> int:
         from areal.bus.client import Bus
         from areal.launch.progress import StepProgress
@@ -151,41 +226,33 @@ class Launcher:
         await bus.subscribe_metrics("trainer", "step", on_step)
         try:
             with progress:
-                while True:
-                    trainer = self.procs["trainer-0"]
-                    if trainer.poll() == 0:
-                        return 0
-                    for wid, p in list(self.procs.items()):
-                        if p.poll() is None or (p.returncode == 0 and wid != "trainer-0"):
-                            continue
-                        if self.restarts.get(wid, 0) >= self.max_restarts:
-                            print(
-                                f"worker {wid} exited with {p.returncode} after "
-                                f"{self.restarts.get(wid, 0)} restarts; last log lines:\n"
-                                f"{self._log_tail(wid)}",
-                                file=sys.stderr,
-                            )
-                            return p.returncode or 1
-                        # crash recovery: the bus redelivers its unfinished work; the trainer
-                        # resumes from its checkpoint, the controller from its KV cursor
-                        self.restarts[wid] = self.restarts.get(wid, 0) + 1
-                        log.warning(
-                            "worker_restarted",
-                            worker=wid,
-                            exit_code=p.returncode,
-                            restarts=self.restarts[wid],
-                        )
-                        self._start(wid)
+                while (rc := self._supervise()) is None:
                     await asyncio.sleep(0.2)
+                return rc
         finally:
             await bus.close()
 
     def run(self) -> int:
         t0 = time.time()
         try:
+            finished = self.check()
+        except ConfigError as e:
+            print(e, file=sys.stderr)
+            return EXIT_CONFIG
+        if finished is not None:
+            print(
+                f"run in {self.out} already finished at step {finished.step} "
+                f"(train.total_steps={self.s.train.total_steps}); summary: {finished.summary}; "
+                "to train further: --resume --set train.total_steps=<more>"
+            )
+            return 0
+        try:
             cfg = self.prepare()
             self.spawn(cfg)
             rc = asyncio.run(self._watch())
+        except (WarmStartLockTimeout, StorageLimitError, RunConflictError) as e:
+            print(f"error: {e}", file=sys.stderr)  # one line with the fix, no traceback
+            rc = EXIT_CONFIG
         except KeyboardInterrupt:
             print("\ninterrupted: stopping all workers", file=sys.stderr)
             rc = 130

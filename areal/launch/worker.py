@@ -8,6 +8,11 @@ parts to the bus. While `prepare` runs, the worker logs `worker_preparing` every
 
 A worker stops on SIGTERM/SIGINT or when the run's `run_finished` event arrives; on stop it
 hands unsettled work back to the stream (nak) so another replica picks it up at once.
+
+Exit codes: 0 stopped or the run is finished; `EXIT_CONFIG` (2) a deterministic failure (a
+config error, a missing dependency: the role's `preflight` checks, or a `ConfigError` /
+`ImportError` from prepare), whose one-line reason is the last line the worker prints, and which
+a restart cannot fix (the launcher does not restart it); 1 anything else (restartable).
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 import structlog
 
 from areal.bus.client import Bus
+from areal.bus.errors import RunConflictError
+from areal.bus.streams import StorageLimitError
 from areal.config import ConfigError, RunSettings, load_settings, new_worker_id
+from areal.launch.preflight import check_role
 from areal.logging import setup_logging
 from schemas import Event
 from schemas.state import TRAINER_KEY, TrainerState
@@ -35,6 +43,7 @@ log = structlog.get_logger()
 P = TypeVar("P")
 Role = Literal["controller", "rollout", "reward", "trainer"]
 PREPARE_REPORT_S = 30.0
+EXIT_CONFIG = 2  # a deterministic failure: do not restart
 
 
 class Service(Protocol):
@@ -51,6 +60,12 @@ class RoleSpec(Generic[P]):
 def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"areal worker {role}", description=f"Run one {role} replica.")
     p.add_argument("--config", help="run config (YAML, or the config.json written by `areal run`)")
+    p.add_argument(
+        "--join",
+        metavar="RUN_ID",
+        help="join run RUN_ID started by `areal run` on --nats-url, from any host: fetch its "
+        "config, model and data from the bus (instead of --config)",
+    )
     p.add_argument("--nats-url", help="NATS server URL (overrides nats.url)")
     p.add_argument("--worker-id", help="stable id of this replica (default: role-host-pid-rand)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -58,29 +73,56 @@ def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
 
 
 def resolve_model_path(settings: RunSettings) -> str:
-    """The model dir; builds (or reuses the cached) warm-started tiny preset when unset."""
+    """The model dir: `model.path` when set (for a worker that joined with `--join`, the copy
+    of the run's model fetched from the bus into this host's cache: `areal.launch.join`), else
+    the warm-started built-in preset, built once and then taken from the cache."""
     if settings.model.path:
         return settings.model.path
     from areal.data.tiny_model import PRESETS
     from areal.data.warm_start import ensure_warm_model
 
+    d = settings.data
+    task_kwargs = dict(d.task_kwargs)
+    if not d.source.startswith("synthetic:"):  # the file's field names, as the controller reads it
+        task_kwargs.update(prompt_field=d.prompt_field, answer_field=d.answer_field)
     return str(
         ensure_warm_model(
-            settings.data.source,
+            d.source,
             sft_steps=settings.model.warm_start_steps,
             seed=settings.seed,
             cache_dir=settings.cache_dir,
-            task_kwargs=settings.data.task_kwargs,
+            task_kwargs=task_kwargs,
             preset=PRESETS[settings.model.preset],
+            lock_timeout_s=settings.model.warm_start_lock_timeout_s,
         )
     )
+
+
+def _join(run_id: str, config: str | None, nats_url: str | None, overrides: list[str]) -> str:
+    """The config of a worker joining `run_id` (`areal.launch.join`); `ConfigError` with the
+    fix when the arguments do not allow it."""
+    from areal.launch.join import JoinError, join_config
+
+    if config is not None:
+        raise ConfigError("config error: --join and --config exclude each other; pass one")
+    if not nats_url:
+        raise ConfigError(
+            "config error: --join needs --nats-url URL (the server the run's launcher printed)"
+        )
+    try:
+        return str(join_config(run_id, nats_url, overrides))
+    except JoinError as e:
+        raise ConfigError(f"config error: {e}") from None
 
 
 def main(spec: RoleSpec[Any], argv: list[str] | None = None) -> int:
     args = parse_args(spec.role, argv)
     try:
         overrides = list(args.overrides) + ([f"nats.url={args.nats_url}"] if args.nats_url else [])
-        settings = load_settings(args.config, overrides)
+        config = args.config
+        if args.join:
+            config = _join(args.join, args.config, args.nats_url, overrides)
+        settings = load_settings(config, overrides)
     except ConfigError as e:
         print(e)
         return 2
@@ -99,13 +141,62 @@ def main(spec: RoleSpec[Any], argv: list[str] | None = None) -> int:
 
 
 def run_worker(spec: RoleSpec[P], settings: RunSettings, worker_id: str) -> int:
-    """Prepare (reporting progress), then connect and run until stopped; the exit code."""
+    """Check, prepare (reporting progress), then connect and run until stopped; the exit code
+    (`EXIT_CONFIG` for a deterministic failure, its reason printed as the last line)."""
     try:
+        check_role(spec.role, settings)
         parts = _prepare_reporting(spec, settings, worker_id)
+    except (ConfigError, ImportError) as e:
+        if not isinstance(e, ConfigError):
+            log.exception("worker_prepare_failed", role=spec.role)
+        reason = (
+            str(e)
+            if isinstance(e, ConfigError)
+            else f"config error: {spec.role} prepare: {e}; install the missing package"
+        )
+        print(reason.splitlines()[0] if reason else "config error", flush=True)
+        return EXIT_CONFIG
     except Exception:
         log.exception("worker_prepare_failed", role=spec.role)
         return 1
     return asyncio.run(_run(spec, settings, worker_id, parts))
+
+
+async def await_open_run(bus: Bus, total_steps: int, stop: asyncio.Event) -> bool:
+    """True when the run has training left (this worker should serve it), False when it is
+    finished for `total_steps` or the worker was stopped while waiting.
+
+    Why a wait, and why it is race-free: `done` in the run state is the trainer's, and only the
+    trainer resets it (`TrainerService.restore` publishes `done = False` before it trains). A
+    run resumed with a larger `train.total_steps` still shows the previous incarnation's
+    `done = True` until then, and the other roles usually start before the trainer (its prepare
+    loads the model). So a `done` state whose `step` is below this worker's `total_steps` (the
+    same config.json for every role) means "being extended": wait for the reset, never exit on
+    it. The watch is opened before the first read, so the reset cannot slip between the two.
+    A `done` state at or past `total_steps` is a finished run: return False at once."""
+    watch = await bus.kv_watch(TRAINER_KEY)
+    t0 = next_report = time.monotonic()
+    try:
+        while not stop.is_set():
+            trainer = await bus.kv_get(TRAINER_KEY, TrainerState)
+            if trainer is None or not trainer.done:
+                return True
+            if trainer.step >= total_steps:
+                return False
+            if time.monotonic() >= next_report:  # at once, then every PREPARE_REPORT_S
+                next_report = time.monotonic() + PREPARE_REPORT_S
+                log.info(
+                    "waiting_for_trainer",
+                    reason="the run finished at an earlier total_steps: waiting for the "
+                    "trainer to resume it",
+                    step=trainer.step,
+                    total_steps=total_steps,
+                    waited_s=round(time.monotonic() - t0),
+                )
+            await watch.wait(timeout_s=1.0)
+        return False
+    finally:
+        await watch.stop()
 
 
 def _prepare_reporting(spec: RoleSpec[P], settings: RunSettings, worker_id: str) -> P:
@@ -127,7 +218,13 @@ def _prepare_reporting(spec: RoleSpec[P], settings: RunSettings, worker_id: str)
 
 async def _run(spec: RoleSpec[P], settings: RunSettings, worker_id: str, parts: P) -> int:
     assert settings.nats.url is not None
-    bus = await Bus.connect(settings.nats.url, settings.run_id, spec.role, worker_id, settings.nats)
+    try:
+        bus = await Bus.connect(
+            settings.nats.url, settings.run_id, spec.role, worker_id, settings.nats
+        )
+    except (RunConflictError, StorageLimitError) as e:  # the same on every retry: do not
+        print(f"config error: {e}", flush=True)
+        return EXIT_CONFIG
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -140,9 +237,11 @@ async def _run(spec: RoleSpec[P], settings: RunSettings, worker_id: str, parts: 
     sub = await bus.subscribe_events("run_finished", on_finished)
     rc = 0
     try:
-        trainer = await bus.kv_get(TRAINER_KEY, TrainerState)
-        if spec.role != "trainer" and trainer is not None and trainer.done:
-            log.info("run_already_finished")
+        if spec.role != "trainer" and not await await_open_run(
+            bus, settings.train.total_steps, stop
+        ):
+            if not stop.is_set():
+                log.info("run_already_finished")
         else:
             await spec.build(parts, bus).run(stop)
     except Exception:

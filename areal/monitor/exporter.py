@@ -179,9 +179,9 @@ async def run_exporter(
     url: str, run_id: str, *, port: int, addr: str, interval_s: float, writers: list | None = None
 ) -> int:
     from areal.bus.tap import TapClient
-    from areal.monitor.live import attach, refresh
+    from areal.monitor.live import attach, check_server, note, refresh
 
-    client = await TapClient.connect(url, run_id, name="areal-exporter")
+    client = await TapClient.connect(url, run_id, name="areal-exporter", note=note)
     writers = writers or []
     try:
         await client.check_run()
@@ -196,6 +196,7 @@ async def run_exporter(
         logged = 0
         try:
             while True:
+                check_server(client, "metrics-exporter")  # stale gauges would look live
                 with contextlib.suppress(Exception):
                     await refresh(client, st)
                 collector.snapshot = families(st, time.time())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from dataclasses import asdict
 
@@ -20,10 +21,21 @@ from areal.monitor.state import LIVE_S, RunState
 from schemas import subjects as S
 
 
+def note(line: str) -> None:
+    """One line on stderr for the person at the terminal (stdout stays data)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 async def resolve_run(url: str, run_id: str | None) -> str:
     """`run_id` (`--run`, else `AREAL_RUN_ID` through `MonitorSettings`), else the only run on
     the server."""
-    return run_id or await discover_run(url)
+    return run_id or await discover_run(url, note=note)
+
+
+def check_server(client: TapClient, command: str) -> None:
+    """Raise `ConnectionError` naming the server once the observer's server is gone for good."""
+    if client.lost.is_set():
+        raise ConnectionError(f"{client.lost.reason}; {command} stopped")
 
 
 async def attach(

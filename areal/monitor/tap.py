@@ -8,8 +8,8 @@ message once: a publish retried after a lost ack reaches a core subscriber twice
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,24 +111,78 @@ def load_detokenizer(path: str) -> Detokenizer:
     return load_tokenizer(model_dir)
 
 
-async def run_tap(
-    url: str, run_id: str, stream: str, *, tap: Tap, history: int, timeout_s: float | None
-) -> int:
-    from areal.bus.tap import TapClient
+async def settle(tap: Tap, quiet_s: float, max_s: float) -> None:
+    """Return once no message reached `tap` for `quiet_s` (the tail of a replay or of the
+    run's last publishes), after at most `max_s`, or at once when its count is reached."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max_s
+    seen = -1
+    while tap.n != seen and not tap.done.is_set() and loop.time() < deadline:
+        seen = tap.n
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(tap.done.wait(), quiet_s)
 
-    client = await TapClient.connect(url, run_id)
+
+async def run_tap(
+    url: str,
+    run_id: str,
+    stream: str,
+    *,
+    tap: Tap,
+    history: int,
+    timeout_s: float | None,
+    note: Callable[[str], None] | None = None,
+    quiet_s: float = 1.0,
+) -> int:
+    """Follow `stream` of the run until `tap.count` messages, `timeout_s`, the run's end or the
+    server's loss, whichever comes first.
+
+    Returns 0 when the count is reached or the run finished (with `count` unset), 1 when the
+    timeout or the run's end came before the count; raises `ConnectionError` when the server
+    is gone (`TapClient.lost`). Each way of stopping says so in one `note` line (default:
+    stderr)."""
+    from areal.bus.tap import TapClient
+    from areal.monitor.live import note as stderr_note
+
+    note = note or stderr_note
+
+    client = await TapClient.connect(url, run_id, note=note)
     try:
         await client.check_run()
+        finished = asyncio.Event()
+        await client.on_run_finished(finished.set)  # before the check: no gap
+        if await client.run_finished():
+            finished.set()
         await client.follow(stream, tap.on_message, history=history)
+        subject = client.subject(stream)
+        note(f"tap: following {subject} on {url} (stops at the run's end; Ctrl-C to stop)")
+        waits = {
+            asyncio.ensure_future(tap.done.wait()): "count",
+            asyncio.ensure_future(finished.wait()): "finished",
+            asyncio.ensure_future(client.lost.event.wait()): "lost",
+        }
         try:
-            await asyncio.wait_for(tap.done.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            if tap.count is not None:
-                print(
-                    f"tap: timed out after {timeout_s}s with {tap.n}/{tap.count} messages",
-                    file=sys.stderr,
-                )
-                return 1
+            done, _ = await asyncio.wait(
+                waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for w in waits:
+                w.cancel()
+        why = {waits[w] for w in done}
+        if "count" in why or tap.done.is_set():
+            return 0
+        if "lost" in why:
+            raise ConnectionError(f"{client.lost.reason}; tap stopped after {tap.n} messages")
+        if "finished" in why:
+            await settle(tap, quiet_s, max_s=30.0)  # what was published before the end
+            if tap.done.is_set():
+                return 0
+            counted = f"{tap.n}/{tap.count}" if tap.count is not None else str(tap.n)
+            note(f"tap: run {run_id} has finished; nothing more will come ({counted} messages)")
+            return 0 if tap.count is None else 1
+        if tap.count is not None:
+            note(f"tap: timed out after {timeout_s}s with {tap.n}/{tap.count} messages")
+            return 1
+        return 0
     finally:
         await client.close()
-    return 0

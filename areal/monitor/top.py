@@ -248,9 +248,9 @@ def dashboard(st: RunState, now: float) -> Layout:
 
 async def run_top(url: str, run_id: str, *, once: bool, interval_s: float, collect_s: float) -> int:
     from areal.bus.tap import TapClient
-    from areal.monitor.live import attach, refresh, refresh_every
+    from areal.monitor.live import attach, check_server, note, refresh, refresh_every
 
-    client = await TapClient.connect(url, run_id, name="areal-top")
+    client = await TapClient.connect(url, run_id, name="areal-top", note=note)
     try:
         await client.check_run()
         st = RunState()
@@ -267,6 +267,7 @@ async def run_top(url: str, run_id: str, *, once: bool, interval_s: float, colle
             with Live(dashboard(st, time.time()), screen=True, auto_refresh=False) as live:
                 while True:
                     await asyncio.sleep(interval_s)
+                    check_server(client, "top")  # a dashboard of a vanished server would lie
                     live.update(dashboard(st, time.time()), refresh=True)
         finally:
             poller.cancel()

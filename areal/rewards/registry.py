@@ -4,13 +4,21 @@ Invariants:
 - A reward function is `(completion: str, answer: str) -> float`, pure and picklable (a
   module-level function), so reward workers can run it in a process pool.
 - `get_reward_fn` fails fast, at start-up, with a ValueError that names the spec and the fix;
-  it never returns something that is not callable.
+  it never returns something that is not callable, and an exception raised while importing the
+  user's module (a syntax error, a failing top-level statement) becomes that ValueError too.
+- Where `module:function` is looked up: the installed packages and `PYTHONPATH` first, then the
+  current working directory (`CWD_RULE`). `areal run` and its workers share one working
+  directory, so a `my_reward.py` next to the YAML you run from works without `PYTHONPATH=.`; a
+  worker on another host needs the module in its own working directory or on its path.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
+from types import ModuleType
 
 from areal.rewards.code import code_reward
 from areal.rewards.math import math_reward
@@ -25,6 +33,8 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "code": code_reward,
 }
 
+CWD_RULE = "installed packages and PYTHONPATH first, then the current working directory"
+
 _DEFAULT_FOR_TASK = {
     "synthetic:arithmetic": "arithmetic",
     "synthetic:running_sum": "running_sum",
@@ -33,7 +43,7 @@ _DEFAULT_FOR_TASK = {
 
 def get_reward_fn(name: str) -> RewardFn:
     """A built-in name (`arithmetic`, `running_sum`, `math`, `code`) or `package.module:function`
-    (the module must be importable in the reward worker's environment)."""
+    (the module is looked up by `CWD_RULE`, in every process that scores)."""
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
     if ":" not in name:
@@ -45,12 +55,18 @@ def get_reward_fn(name: str) -> RewardFn:
     if not module_name or not attr:
         raise ValueError(f"reward spec {name!r} must look like 'package.module:function'")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_user_module(module_name)
     except ImportError as e:
         raise ValueError(
-            f"reward spec {name!r}: cannot import module {module_name!r} ({e}); "
-            "install it or add its directory to PYTHONPATH for the reward workers"
-        ) from e
+            f"reward spec {name!r}: cannot import module {module_name!r} ({e}); looked in the "
+            f"{CWD_RULE} ({os.getcwd()}): run from the directory that holds it, or add its "
+            "directory to PYTHONPATH"
+        ) from None
+    except Exception as e:  # the module itself fails to import: its own bug, reported in one line
+        raise ValueError(
+            f"reward spec {name!r}: importing module {module_name!r} raised "
+            f"{type(e).__name__}: {e}; fix that module"
+        ) from None
     fn = module
     for part in attr.split("."):
         if not hasattr(fn, part):
@@ -65,6 +81,23 @@ def get_reward_fn(name: str) -> RewardFn:
             "point it at a function (completion: str, answer: str) -> float"
         )
     return fn  # type: ignore[return-value]
+
+
+def _import_user_module(module_name: str) -> ModuleType:
+    """Import `module_name` by `CWD_RULE`: when it is not found on the path as it is, the
+    current working directory is appended to `sys.path` (last, so it never shadows an installed
+    package) and the import is tried once more. Process pools started later inherit the path."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        top = module_name.split(".")[0]
+        cwd = os.getcwd()
+        on_path = {os.path.abspath(p or os.curdir) for p in sys.path}
+        if e.name not in (module_name, top) or cwd in on_path:
+            raise
+        sys.path.append(cwd)
+        importlib.invalidate_caches()
+        return importlib.import_module(module_name)
 
 
 def default_reward_for(task_spec: str) -> str:

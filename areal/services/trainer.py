@@ -13,7 +13,11 @@ Invariants:
 - a scored sample is acked only once a checkpoint covers its effect (`Checkpointer`);
 - a restart resumes from the checkpoint: later step records are dropped from metrics.jsonl
   (they are redone), and if newer weights were already announced the version rolls forward
-  past them, so versions stay monotonic.
+  past them, so versions stay monotonic;
+- `done` in the run state (KV) means "this trainer reached total_steps": a restored trainer
+  publishes `done = False` before anything else (`restore`), so a finished run resumed with a
+  larger `train.total_steps` is extended (see `areal.launch.worker.await_open_run` for why the
+  other roles wait for that reset instead of exiting on the old `done`).
 """
 
 from __future__ import annotations
@@ -176,6 +180,9 @@ class TrainerService:
         if latest is None or latest.version != self.engine.version:
             await self._publish_weights()
         self.intake.state.version = self.engine.version
+        # only `_finish` of this incarnation makes the run done: this publish resets the `done`
+        # a previous incarnation left in KV, which is what lets `--resume` extend a run
+        self.intake.state.done = False
         await self._publish_state()
 
     async def summary(self) -> RunSummary:

@@ -96,17 +96,61 @@ def test_bad_env_value_names_the_field(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("yaml_text", "overrides", "where"),
+    ("yaml_text", "overrides", "where", "source", "meant"),
     [
-        ("", ["algo.max_stalenes=2"], "algo.max_stalenes"),  # a typo in --set
-        ("algo:\n  max_stalenes: 2\n", [], "algo.max_stalenes"),  # the same typo in YAML
-        ("log_levels: DEBUG\n", [], "log_levels"),  # an unknown top-level key
+        ("", ["algo.max_stalenes=2"], "algo.max_stalenes", "--set", "algo.max_staleness"),
+        ("algo:\n  max_stalenes: 2\n", [], "algo.max_stalenes", "run.yaml", "algo.max_staleness"),
+        ("log_levels: DEBUG\n", [], "log_levels", "run.yaml", "log_level"),  # top level
+        ("", ["max_staleness=2"], "max_staleness", "--set", "algo.max_staleness"),  # no section
+        ("", ["trian.lr=1e-3"], "trian", "--set", "train"),  # a typo'd section
     ],
 )
-def test_unknown_key_is_rejected(tmp_path, yaml_text, overrides, where):
+def test_unknown_key_says_did_you_mean(tmp_path, yaml_text, overrides, where, source, meant):
     cfg = _yaml(tmp_path, yaml_text)
-    with pytest.raises(ConfigError, match=rf"{where}: Extra inputs are not permitted"):
+    with pytest.raises(ConfigError) as e:
         load_settings(cfg, overrides)
+    msg = str(e.value)
+    assert msg.startswith(f"config error: {where}: unknown setting (from ")
+    assert source in msg and msg.endswith(f"did you mean {meant}?")
+    assert f"--set {where}=" not in msg  # never the advice to set the typo
+
+
+def test_unknown_key_from_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("AREAL_ALGO__MAX_STALENES", "2")
+    with pytest.raises(ConfigError) as e:
+        load_settings(None)
+    assert str(e.value) == (
+        "config error: algo.max_stalenes: unknown setting (from the environment: "
+        "AREAL_ALGO__MAX_STALENES); did you mean algo.max_staleness?"
+    )
+
+
+def test_unknown_key_with_nothing_close_lists_the_section():
+    with pytest.raises(ConfigError, match=r"algo.zzz: unknown setting .*here are: batch_size, "):
+        load_settings(None, ["algo.zzz=1"])
+
+
+def test_a_close_choice_is_suggested_for_a_literal():
+    with pytest.raises(ConfigError) as e:
+        load_settings(None, ["rollout.engine=vlm"])
+    assert str(e.value) == (
+        "config error: rollout.engine: Input should be 'torch' or 'vllm' (got 'vlm'); "
+        "did you mean 'vllm'?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("items", "match"),
+    [
+        (["algo.batch_size"], "expected key=value"),
+        (["algo..batch_size=2"], "empty part"),
+        (["algo=1", "algo.batch_size=2"], "algo was already set to a value"),
+        (["algo.batch_size=2", "algo=1"], "algo is a section whose fields are set too"),
+    ],
+)
+def test_malformed_overrides_are_config_errors(items, match):
+    with pytest.raises(ConfigError, match=match):
+        load_settings(None, items)
 
 
 def test_monitor_settings_defaults():

@@ -6,13 +6,17 @@ here: it takes ~15-60 s on a 2-core CPU (see `DEFAULT_RECIPES`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from areal.data import warm_start
 from areal.data.tasks import ArithmeticTask
 from areal.data.warm_start import cache_root, ensure_warm_model, evaluate_accuracy
 
@@ -78,3 +82,72 @@ def test_presets_are_separate_cache_entries_with_their_dims(tmp_path, monkeypatc
     assert resolve_model_path(settings) == str(small)
     with pytest.raises(ConfigError, match="model.preset"):
         load_settings(None, ["model.preset=huge"])
+
+
+class _Recorder:
+    """Stands in for the module's structlog logger: keeps (event, fields)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, dict]] = []
+
+    def info(self, event: str, **fields) -> None:
+        self.records.append((event, fields))
+
+
+def _hold_lock(path: Path, held: threading.Event, release: threading.Event) -> None:
+    """Another builder: holds the lock (as `ensure_warm_model` does) until told to let go. flock
+    locks belong to open file descriptions, so a thread excludes exactly as a process would."""
+    with warm_start.build_lock(path, "warm-other-build"):
+        held.set()
+        release.wait(30)
+
+
+def _lock_path(tmp_path: Path) -> Path:
+    """The lock `ensure_warm_model(sft_steps=0, seed=0)` takes for the default task."""
+    recipe = dataclasses.replace(warm_start.DEFAULT_RECIPES["synthetic:arithmetic"], steps=0)
+    return tmp_path / f"warm-{warm_start.warm_key('synthetic:arithmetic', {}, recipe, 0)}.lock"
+
+
+def test_a_lock_wait_names_the_holder_and_gives_up_in_time(tmp_path, monkeypatch):
+    logs = _Recorder()
+    monkeypatch.setattr(warm_start, "log", logs)
+    lock = _lock_path(tmp_path)
+    held, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_lock, args=(lock, held, release))
+    holder.start()
+    try:
+        assert held.wait(10)
+        with pytest.raises(warm_start.WarmStartLockTimeout) as err:
+            ensure_warm_model(
+                sft_steps=0, cache_dir=tmp_path, lock_timeout_s=0.5, lock_progress_s=0.2
+            )
+    finally:
+        release.set()
+        holder.join(10)
+    msg = str(err.value)
+    assert f"gave up after 0.5 s waiting for the warm-start lock {lock}" in msg
+    assert f"pid {os.getpid()}" in msg and "building warm-other-build" in msg
+    waits = [fields for event, fields in logs.records if event == "warm_model_lock_wait"]
+    assert len(waits) >= 2  # at once, then every lock_progress_s
+    assert all("building warm-other-build" in w["holder"] for w in waits)
+    assert [w["waited_s"] for w in waits] == sorted(w["waited_s"] for w in waits)
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # nothing was built
+
+
+def test_a_lock_released_in_time_is_taken_and_the_model_built(tmp_path, monkeypatch):
+    logs = _Recorder()
+    monkeypatch.setattr(warm_start, "log", logs)
+    lock = _lock_path(tmp_path)
+    held, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_lock, args=(lock, held, release))
+    holder.start()
+    assert held.wait(10)
+    threading.Timer(0.6, release.set).start()
+    path = ensure_warm_model(
+        sft_steps=0, cache_dir=tmp_path, lock_timeout_s=60, lock_progress_s=0.2
+    )
+    holder.join(10)
+    assert path.is_dir()
+    events = [event for event, _ in logs.records]
+    assert events[0] == "warm_model_lock_wait" and "warm_model_lock_acquired" in events
+    assert lock.read_text() == ""  # the holder's record goes with the lock

@@ -1,0 +1,173 @@
+"""Workers on other hosts: what `areal run` shares on the bus, and how `--join` uses it.
+
+The launcher's `config.json` names paths of its own host (the model in its cache, the data
+file, the cache dir), so it cannot run a worker elsewhere. Instead the launcher shares
+(`share_run`) a portable config (the resolved settings with `reward.fn` resolved and no host
+paths: `model.path`, `cache_dir` and `nats.url` cleared), the model dir and the data file, in
+the run's object store. `areal worker ROLE --join RUN_ID --nats-url URL` (`join_config`) fetches
+them into its own cache dir and runs from a config whose paths point into that copy.
+
+Invariants:
+- the files are shared before any worker starts, so a worker that joins while the run goes on
+  finds them; the model and the data file are shared while their running total is at most
+  `nats.share_max_bytes` (model first), the config always;
+- a joining worker runs on exactly the launcher's resolved settings except the host paths and
+  its own `--set` overrides, which win (e.g. `--set model.path=<local copy>` for a model the run
+  did not share); a model or data file the run did not share and no override supplies is a
+  `JoinError` naming the `--set` to add, before anything starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import structlog
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from areal.config import RunSettings, parse_overrides
+from schemas.run_files import CONFIG_NAME, DATA_PREFIX, MODEL_PREFIX, RunFilesManifest
+
+log = structlog.get_logger()
+
+JOINED_SUBDIR = "joined"  # under the model cache dir: one dir per (run, shared files)
+WORKER_CONFIG_NAME = "worker-config.json"  # the joined config, paths pointing into the copy
+
+
+class JoinError(ValueError):
+    """A worker cannot join the run as asked; the message names the fix."""
+
+
+def _files_of(model_dir: Path) -> list[Path]:
+    return sorted(p for p in model_dir.rglob("*") if p.is_file())
+
+
+def portable_config(settings: RunSettings) -> dict[str, Any]:
+    """The resolved settings without this host's paths (see the module docstring)."""
+    cfg = settings.model_dump(mode="json")
+    cfg["reward"]["fn"] = settings.reward_fn_name()
+    cfg["model"]["path"] = None
+    cfg["nats"]["url"] = None
+    cfg.pop("cache_dir", None)
+    return cfg
+
+
+def shared_files(settings: RunSettings) -> dict[str, bytes | Path]:
+    """Object name -> content for `publish_run_files`: the config, and the model dir and the
+    data file while the running total stays within `nats.share_max_bytes`."""
+    if settings.model.path is None:
+        raise ValueError("resolve model.path before sharing the run (resolve_model_path)")
+    files: dict[str, bytes | Path] = {
+        CONFIG_NAME: json.dumps(portable_config(settings), indent=1).encode()
+    }
+    budget = settings.nats.share_max_bytes
+    model_dir = Path(settings.model.path)
+    model_files = _files_of(model_dir)
+    model_bytes = sum(p.stat().st_size for p in model_files)
+    if model_bytes <= budget:
+        budget -= model_bytes
+        files.update(
+            {f"{MODEL_PREFIX}{p.relative_to(model_dir).as_posix()}": p for p in model_files}
+        )
+    else:
+        log.warning("model_not_shared", bytes=model_bytes, share_max_bytes=budget)
+    src = settings.data.source
+    if not src.startswith("synthetic:"):
+        data = Path(src)
+        if data.stat().st_size <= budget:
+            files[f"{DATA_PREFIX}{data.name}"] = data
+        else:
+            log.warning("data_not_shared", path=src, bytes=data.stat().st_size)
+    return files
+
+
+def share_run(settings: RunSettings, public_url: str | None) -> str | None:
+    """Share the run's files on `settings.nats.url`; the command a worker on another host runs
+    (None when `public_url`, the server's address for other hosts, is None: loopback only)."""
+    from areal.bus.run_files import publish_run_files
+
+    assert settings.nats.url is not None
+    asyncio.run(publish_run_files(settings.nats.url, settings.run_id, shared_files(settings)))
+    if public_url is None:
+        return None
+    return (
+        f"workers on other hosts join with: areal worker rollout --join {settings.run_id} "
+        f"--nats-url {public_url}   (or reward)"
+    )
+
+
+def public_url_of(url: str) -> str | None:
+    """`url` when it names a host other hosts can reach, None for a loopback address."""
+    host = url.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    loopback = host in ("localhost", "::1") or host.startswith("127.")
+    return None if loopback else url
+
+
+class _CacheDirSetting(BaseSettings):
+    """`cache_dir` before the run's config is known (env `AREAL_CACHE_DIR`, as in RunSettings)."""
+
+    model_config = SettingsConfigDict(env_prefix="AREAL_", extra="ignore")
+
+    cache_dir: str | None = Field(
+        None, description=RunSettings.model_fields["cache_dir"].description
+    )
+
+
+def _cache_dir(overrides: list[str]) -> str | None:
+    given = parse_overrides(overrides)
+    if "cache_dir" in given:
+        return given["cache_dir"]
+    return _CacheDirSetting().cache_dir
+
+
+def _overridden(overrides: dict[str, Any], section: str, key: str) -> bool:
+    part = overrides.get(section)
+    return isinstance(part, dict) and part.get(key) is not None
+
+
+def joined_config(manifest: RunFilesManifest, files_dir: Path, overrides: list[str]) -> Path:
+    """Write (atomically) and return the config of a worker that joins from `files_dir`."""
+    cfg = json.loads((files_dir / CONFIG_NAME).read_text())
+    given = parse_overrides(overrides)
+    if manifest.under(MODEL_PREFIX):
+        cfg["model"]["path"] = str((files_dir / MODEL_PREFIX).resolve())
+    elif not _overridden(given, "model", "path"):
+        raise JoinError(
+            f"run {manifest.run_id!r} did not share its model (larger than the launcher's "
+            "nats.share_max_bytes): pass --set model.path=<a local copy of the run's model dir>"
+        )
+    if not str(cfg["data"]["source"]).startswith("synthetic:"):
+        shared = manifest.under(DATA_PREFIX)
+        if shared:
+            cfg["data"]["source"] = str((files_dir / shared[0].name).resolve())
+        elif not _overridden(given, "data", "source"):
+            raise JoinError(
+                f"run {manifest.run_id!r} did not share its data file {cfg['data']['source']!r} "
+                "(larger than the launcher's nats.share_max_bytes): pass --set "
+                "data.source=<a local copy>"
+            )
+    path = files_dir / WORKER_CONFIG_NAME
+    tmp = files_dir / f".{WORKER_CONFIG_NAME}.{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    tmp.write_text(json.dumps(cfg, indent=1))
+    os.replace(tmp, path)  # same content from every replica: the last rename is as good
+    return path
+
+
+def join_config(run_id: str, nats_url: str, overrides: list[str]) -> Path:
+    """Fetch run `run_id`'s shared files from `nats_url` into this host's cache dir; the path
+    of the config this worker runs with. Raises `JoinError` (or `ConfigError` for a malformed
+    `--set`) naming the fix."""
+    from areal.bus.run_files import RunFilesCorrupt, RunFilesMissing, fetch_run_files
+    from areal.data.warm_start import cache_root
+
+    try:
+        dest_root = cache_root(_cache_dir(overrides)) / JOINED_SUBDIR
+        manifest, files_dir = asyncio.run(fetch_run_files(nats_url, run_id, dest_root))
+    except (RunFilesMissing, RunFilesCorrupt, ConnectionError) as e:
+        raise JoinError(f"cannot join run {run_id!r}: {e}") from None
+    return joined_config(manifest, files_dir, overrides)

@@ -1,0 +1,143 @@
+"""Checks of a run that need more than the settings model: optional extras, the reward spec, the
+dataset, the model directory. The launcher runs them all before it touches `--out` or starts a
+process; a worker runs those of its role before its (slow) prepare.
+
+Invariants:
+- every failure is a `ConfigError` with one line that names the setting and the fix, so
+  `areal run` exits 2 at once instead of a worker failing (and being restarted) minutes later;
+- nothing here imports torch, starts a process or writes a file: a check is cheap enough to
+  run in every worker too (`check_role`); only `check_run`'s dataset read is proportional to
+  the dataset.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+from areal.config import ConfigError, RunSettings
+
+# (setting, engine kind) -> the optional dependency it imports; the pip extra has its name.
+# Mirrors the tables of `areal.engines.factory` (which fails later, inside the worker).
+ENGINE_EXTRAS: dict[tuple[str, str], str] = {
+    ("rollout.engine", "vllm"): "vllm",
+    ("train.engine", "deepspeed"): "deepspeed",
+}
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def check_extras(
+    s: RunSettings, settings: tuple[str, ...] = ("rollout.engine", "train.engine")
+) -> None:
+    """The engines of `settings` have their optional dependency installed."""
+    kinds = {"rollout.engine": s.rollout.engine, "train.engine": s.train.engine}
+    for setting in settings:
+        kind = kinds[setting]
+        extra = ENGINE_EXTRAS.get((setting, kind))
+        if extra is not None and not _installed(extra):
+            raise ConfigError(
+                f"config error: {setting}={kind} needs {extra!r}, which is not installed: "
+                f"pip install 'areal-bus[{extra}]' (or --set {setting}=torch)"
+            )
+
+
+def check_reward(s: RunSettings) -> None:
+    """`reward.fn` (or the task's default) resolves to a callable (`get_reward_fn`)."""
+    from areal.rewards.registry import get_reward_fn
+
+    try:
+        get_reward_fn(s.reward_fn_name())
+    except ValueError as e:
+        raise ConfigError(f"config error: reward.fn: {e}") from None
+
+
+def check_data_source(s: RunSettings) -> None:
+    """Cheap: the data source is a known synthetic task or a file the loaders read."""
+    from areal.data.tasks import SYNTHETIC_TASKS
+
+    src = s.data.source
+    if src.startswith("synthetic:"):
+        if src not in SYNTHETIC_TASKS:
+            raise ConfigError(
+                f"config error: data.source: unknown synthetic task {src!r}; choose one of "
+                f"{sorted(SYNTHETIC_TASKS)} or give a .jsonl / .parquet file"
+            )
+        return
+    suffix = Path(src).suffix.lower()
+    if suffix not in (".jsonl", *PARQUET_SUFFIXES):
+        raise ConfigError(
+            f"config error: data.source {src!r}: expected a .jsonl or .parquet file (or "
+            f"synthetic:<task>); convert the data or rename the file"
+        )
+    if suffix in PARQUET_SUFFIXES and not _installed("pyarrow"):
+        raise ConfigError(
+            f"config error: data.source {src!r} is Parquet, which needs 'pyarrow': "
+            "pip install 'areal-bus[parquet]'"
+        )
+
+
+def check_data(s: RunSettings) -> None:
+    """Thorough: the task source builds, so every record has its prompt and answer fields and
+    the synthetic task takes `data.task_kwargs` (this reads the whole dataset file once)."""
+    check_data_source(s)
+    from areal.data.tasks import make_task_source
+
+    d = s.data
+    synthetic = d.source.startswith("synthetic:")
+    file_kw = {} if synthetic else {"prompt_field": d.prompt_field, "answer_field": d.answer_field}
+    try:
+        make_task_source(d.source, s.seed, **file_kw, **d.task_kwargs)
+    except TypeError as e:  # a task_kwargs key the task or loader does not take
+        raise ConfigError(
+            f"config error: data.task_kwargs {d.task_kwargs}: {e}; remove the unknown option"
+        ) from None
+    except (ValueError, OSError, ImportError) as e:
+        fix = (
+            "fix data.task_kwargs"
+            if synthetic
+            else "fix the file, or set data.prompt_field / data.answer_field"
+        )
+        raise ConfigError(f"config error: data.source: {e}; {fix}") from None
+
+
+def check_model_dir(s: RunSettings) -> None:
+    """A set `model.path` is a Hugging Face model directory (it has config.json)."""
+    path = s.model.path
+    if path is None:
+        return
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(
+            f"config error: model.path {path!r} is not a model directory (no config.json): "
+            "point it at a Hugging Face model dir, or unset it for the built-in tiny preset"
+        )
+
+
+def check_run(s: RunSettings) -> None:
+    """Everything `areal run` can check before it touches `--out` or starts a worker."""
+    check_extras(s)
+    check_model_dir(s)
+    check_data_source(s)
+    check_reward(s)
+    check_data(s)
+
+
+# what each role's prepare depends on; cheap checks only (the controller reads the dataset in
+# its prepare anyway, and a bad record fails there with the line). No model-dir check: a worker
+# on another host may get the model some other way than the launcher's path.
+ROLE_CHECKS: dict[str, tuple[Callable[[RunSettings], None], ...]] = {
+    "controller": (check_data_source,),
+    "rollout": (lambda s: check_extras(s, ("rollout.engine",)),),
+    "reward": (check_reward,),
+    "trainer": (lambda s: check_extras(s, ("train.engine",)),),
+}
+
+
+def check_role(role: str, s: RunSettings) -> None:
+    """The checks one worker of `role` runs before its prepare."""
+    for check in ROLE_CHECKS[role]:
+        check(s)

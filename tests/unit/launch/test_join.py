@@ -1,0 +1,147 @@
+"""What `areal run` shares for workers on other hosts, and the config a joining worker runs
+with (`areal.launch.join`): no host paths travel, shared copies replace them, overrides win, and
+anything not shared without an override is one error naming the `--set` to add."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from areal.config import load_settings
+from areal.launch.join import (
+    JoinError,
+    joined_config,
+    portable_config,
+    public_url_of,
+    shared_files,
+)
+from schemas.run_files import RunFilesManifest, SharedFile
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("AREAL_")]:
+        monkeypatch.delenv(key)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "launcher-cache" / "warm-x"
+    (d / "sub").mkdir(parents=True)
+    (d / "config.json").write_text("{}")  # 2 bytes
+    (d / "model.safetensors").write_bytes(b"w" * 100)
+    (d / "sub" / "extra.txt").write_text("abc")  # 3 bytes
+    return d
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> Path:
+    p = tmp_path / "data" / "tasks.jsonl"
+    p.parent.mkdir()
+    p.write_text('{"prompt": "1+1=", "answer": "2"}\n')  # 35 bytes
+    return p
+
+
+def settings_for(model_dir: Path, data: Path | str, *sets: str):
+    return load_settings(
+        None,
+        [
+            f"model.path={model_dir}",
+            f"data.source={data}",
+            "cache_dir=/launcher/cache",
+            "nats.url=nats://127.0.0.1:4222",
+            "run_id=exp-1",
+            *sets,
+        ],
+    )
+
+
+def manifest_of(files: dict[str, bytes | Path]) -> RunFilesManifest:
+    entries = []
+    for name, src in files.items():
+        data = src if isinstance(src, bytes) else src.read_bytes()
+        entries.append(
+            SharedFile(name=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        )
+    return RunFilesManifest(run_id="exp-1", files=tuple(entries))
+
+
+def materialise(files: dict[str, bytes | Path], dest: Path) -> Path:
+    """What `fetch_run_files` leaves on disk for these files."""
+    for name, src in files.items():
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).write_bytes(src if isinstance(src, bytes) else src.read_bytes())
+    return dest
+
+
+def test_the_portable_config_carries_no_host_paths_and_a_resolved_reward(model_dir, data_file):
+    cfg = portable_config(settings_for(model_dir, data_file))
+    assert cfg["model"]["path"] is None
+    assert cfg["nats"]["url"] is None
+    assert "cache_dir" not in cfg
+    assert cfg["reward"]["fn"] == "math"  # the default for a dataset file, made explicit
+    assert cfg["run_id"] == "exp-1"
+    assert str(model_dir) not in json.dumps(cfg)
+
+
+def test_model_then_data_are_shared_within_the_byte_budget(model_dir, data_file):
+    everything = shared_files(settings_for(model_dir, data_file))
+    assert sorted(everything) == [
+        "config.json",
+        "data/tasks.jsonl",
+        "model/config.json",
+        "model/model.safetensors",
+        "model/sub/extra.txt",
+    ]
+    # 105 bytes of model fit, the 35-byte data file does not fit in the remaining 15
+    model_only = shared_files(settings_for(model_dir, data_file, "nats.share_max_bytes=120"))
+    assert sorted(model_only) == [
+        "config.json",
+        "model/config.json",
+        "model/model.safetensors",
+        "model/sub/extra.txt",
+    ]
+    config_only = shared_files(settings_for(model_dir, data_file, "nats.share_max_bytes=0"))
+    assert list(config_only) == ["config.json"]
+
+
+def test_a_synthetic_task_shares_no_data_file(model_dir):
+    files = shared_files(settings_for(model_dir, "synthetic:arithmetic"))
+    assert not [n for n in files if n.startswith("data/")]
+
+
+def test_the_joined_config_points_into_the_shared_copy(model_dir, data_file, tmp_path):
+    files = shared_files(settings_for(model_dir, data_file))
+    copy = materialise(files, tmp_path / "remote-cache" / "exp-1-abc")
+    path = joined_config(manifest_of(files), copy, ["nats.url=nats://launcher:4222"])
+    s = load_settings(path, ["nats.url=nats://launcher:4222"])
+    assert Path(s.model.path) == (copy / "model").resolve()
+    assert (Path(s.model.path) / "model.safetensors").read_bytes() == b"w" * 100
+    assert Path(s.data.source) == (copy / "data" / "tasks.jsonl").resolve()
+    assert s.cache_dir is None  # this host's own cache, not the launcher's
+    assert s.nats.url == "nats://launcher:4222"
+    assert s.reward_fn_name() == "math"
+
+
+def test_what_was_not_shared_needs_an_override_naming_the_fix(model_dir, data_file, tmp_path):
+    files = shared_files(settings_for(model_dir, data_file, "nats.share_max_bytes=0"))
+    copy = materialise(files, tmp_path / "copy")
+    manifest = manifest_of(files)
+    with pytest.raises(JoinError, match=r"did not share its model.*--set model\.path="):
+        joined_config(manifest, copy, [])
+    with pytest.raises(JoinError, match=r"did not share its data file.*--set data\.source="):
+        joined_config(manifest, copy, [f"model.path={model_dir}"])
+    path = joined_config(manifest, copy, [f"model.path={model_dir}", f"data.source={data_file}"])
+    s = load_settings(path, [f"model.path={model_dir}", f"data.source={data_file}"])
+    assert s.model.path == str(model_dir) and s.data.source == str(data_file)
+
+
+def test_only_a_non_loopback_url_is_offered_to_other_hosts():
+    assert public_url_of("nats://127.0.0.1:4222") is None
+    assert public_url_of("nats://localhost:4222") is None
+    assert public_url_of("nats://[::1]:4222") is None
+    assert public_url_of("nats://gpu-7.lab:4222") == "nats://gpu-7.lab:4222"
