@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+# the pytest-timeout default (300 s) would cut runs that pass their own 900 s hang guards
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "arithmetic.yaml"
 SMALL = ("algo.batch_size=4", "algo.group_size=4")  # B*G = 16 samples a step: quick steps
