@@ -29,6 +29,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from areal.data.prompts import PromptSettings
 from areal.logging import LogFormat, LogLevel
 
 _YAML_DATA: contextvars.ContextVar[dict | None] = contextvars.ContextVar("areal_yaml", default=None)
@@ -198,6 +199,34 @@ class RolloutSettings(_Part):
         64, ge=1, description="sequences decoded together (continuous batch)"
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per rollout worker")
+    overlong: Literal["score", "mask", "penalty"] = Field(
+        "score",
+        description="samples cut at max_new_tokens: score (truncated and scored as they are), "
+        "mask (kept out of the loss, their group's slot still used), penalty (DAPO's soft "
+        "overlong punishment added to the reward over the last overlong_buffer tokens)",
+    )
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description="penalty mode: tokens before max_new_tokens where the penalty ramps from 0 "
+        "to -overlong_penalty (DAPO's L_cache); 0 = only a cut sample is penalised",
+    )
+    overlong_penalty: float = Field(
+        1.0, ge=0, description="penalty mode: the reward taken off a sample cut at the limit"
+    )
+
+
+class EvalSettings(_Part):
+    every_versions: int = Field(
+        0,
+        ge=0,
+        description="evaluate the held-out set (data.eval_size items) at every K-th policy "
+        "version, on the rollout workers, while training goes on; 0 = never",
+    )
+    temperature: float = Field(0.0, ge=0, description="eval sampling temperature (0 = greedy)")
+    max_new_tokens: int | None = Field(
+        None, ge=1, le=32768, description="eval generation cap; None = rollout.max_new_tokens"
+    )
 
 
 class RewardSettings(_Part):
@@ -268,10 +297,12 @@ class RunSettings(BaseSettings):
     model: ModelSettings = Field(default_factory=ModelSettings)
     weights: WeightsSettings = Field(default_factory=WeightsSettings)
     data: DataSettings = Field(default_factory=DataSettings)
+    prompt: PromptSettings = Field(default_factory=PromptSettings)
     algo: AlgoSettings = Field(default_factory=AlgoSettings)
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     reward: RewardSettings = Field(default_factory=RewardSettings)
     train: TrainSettings = Field(default_factory=TrainSettings)
+    eval: EvalSettings = Field(default_factory=EvalSettings)
 
     @classmethod
     def settings_customise_sources(

@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict
 from areal.config import (
     AlgoSettings,
     DataSettings,
+    EvalSettings,
     ModelSettings,
+    PromptSettings,
     RewardSettings,
     RolloutSettings,
     RunSettings,
@@ -32,13 +34,19 @@ class ControllerView(_View):
     run_id: str
     seed: int
     data: DataSettings
+    prompt: PromptSettings
     algo: AlgoSettings
     total_steps: int
 
     @classmethod
     def of(cls, s: RunSettings) -> ControllerView:
         return cls(
-            run_id=s.run_id, seed=s.seed, data=s.data, algo=s.algo, total_steps=s.train.total_steps
+            run_id=s.run_id,
+            seed=s.seed,
+            data=s.data,
+            prompt=s.prompt,
+            algo=s.algo,
+            total_steps=s.train.total_steps,
         )
 
 
@@ -46,19 +54,34 @@ class RolloutView(_View):
     seed: int
     model: ModelSettings
     rollout: RolloutSettings
+    prompt: PromptSettings  # stop strings; eval prompts are rendered as the controller does
+    data: DataSettings  # the held-out set
+    eval: EvalSettings
+    reward_fn: str  # eval rounds are scored by the run's reward function...
+    reward_timeout_s: float  # ...with its per-sample timeout
 
     @classmethod
     def of(cls, s: RunSettings) -> RolloutView:
-        return cls(seed=s.seed, model=s.model, rollout=s.rollout)
+        return cls(
+            seed=s.seed,
+            model=s.model,
+            rollout=s.rollout,
+            prompt=s.prompt,
+            data=s.data,
+            eval=s.eval,
+            reward_fn=s.reward_fn_name(),
+            reward_timeout_s=s.reward.timeout_s,
+        )
 
 
 class RewardView(_View):
     fn: str  # resolved: the configured scorer or the data source's default
     reward: RewardSettings
+    rollout: RolloutSettings  # max_new_tokens and the overlong policy shape the reward
 
     @classmethod
     def of(cls, s: RunSettings) -> RewardView:
-        return cls(fn=s.reward_fn_name(), reward=s.reward)
+        return cls(fn=s.reward_fn_name(), reward=s.reward, rollout=s.rollout)
 
 
 class TrainerView(_View):
@@ -69,6 +92,7 @@ class TrainerView(_View):
     algo: AlgoSettings
     train: TrainSettings
     temperature: float  # the rollout's sampling temperature (log-probs are taken under it)
+    mask_overlong: bool  # rollout.overlong == "mask": cut samples are kept out of the loss
 
     @classmethod
     def of(cls, s: RunSettings) -> TrainerView:
@@ -80,6 +104,7 @@ class TrainerView(_View):
             algo=s.algo,
             train=s.train,
             temperature=s.rollout.temperature or 1.0,
+            mask_overlong=s.rollout.overlong == "mask",
         )
 
     @property

@@ -143,3 +143,17 @@ class RunSummary(BaseModel):
     reward_last5: float
     final_reward: float | None
     wall_s: float
+
+
+def eval_claim_key(rnd: int) -> str:
+    """KV key of evaluation round `rnd` (created once, by the replica that runs the round)."""
+    return f"eval-r{rnd}"
+
+
+class EvalClaim(_State):
+    """Marks an evaluation round as taken (`areal/services/evaluation.py`)."""
+
+    kind: ClassVar[str] = "eval_claim"
+    round: int = Field(ge=0)
+    worker_id: str
+    claimed_at: float

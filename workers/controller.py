@@ -20,10 +20,11 @@ if TYPE_CHECKING:  # heavy: imported inside build() at run time
 class ControllerParts:
     view: ControllerView
     source: Any  # areal.services.controller.TaskSource
-    tokenizer: Any  # areal.services.controller.Tokenizer
+    prompts: Any  # areal.data.prompts.PromptBuilder
 
 
 def prepare(settings: RunSettings, worker_id: str) -> ControllerParts:
+    from areal.data.prompts import PromptBuilder
     from areal.data.tasks import make_task_source
     from areal.data.tokenizer import load_tokenizer
 
@@ -35,7 +36,9 @@ def prepare(settings: RunSettings, worker_id: str) -> ControllerParts:
         else {"prompt_field": d.prompt_field, "answer_field": d.answer_field}
     )
     source = make_task_source(d.source, view.seed, **file_kw, **d.task_kwargs)
-    return ControllerParts(view, source, load_tokenizer(resolve_model_path(settings)))
+    prompts = PromptBuilder(view.prompt, load_tokenizer(resolve_model_path(settings)))
+    prompts.ids(source.get(0))  # a template that does not fit the data fails before connecting
+    return ControllerParts(view, source, prompts)
 
 
 def build(parts: ControllerParts, bus: Bus) -> Controller:
@@ -46,7 +49,7 @@ def build(parts: ControllerParts, bus: Bus) -> Controller:
     policy = AdmissionPolicy(
         batch_size=a.batch_size, max_staleness=a.max_staleness, total_steps=parts.view.total_steps
     )
-    return Controller(bus, parts.source, parts.tokenizer, policy=policy, group_size=a.group_size)
+    return Controller(bus, parts.source, parts.prompts, policy=policy, group_size=a.group_size)
 
 
 SPEC = RoleSpec("controller", prepare, build)

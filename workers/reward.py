@@ -24,15 +24,19 @@ def prepare(settings: RunSettings, worker_id: str) -> RewardView:
 
 
 def build(view: RewardView, bus: Bus) -> RewardService:
-    from areal.services.reward import RewardService
+    from areal.services.reward import OverlongShaping, RewardService
 
-    r = view.reward
+    r, ro = view.reward, view.rollout
+    shaping = None
+    if ro.overlong == "penalty":
+        shaping = OverlongShaping(ro.max_new_tokens, ro.overlong_buffer, ro.overlong_penalty)
     return RewardService(
         bus,
         view.fn,
         timeout_s=r.timeout_s,
         pool_workers=r.pool_workers,
         batch_size=r.batch_size,
+        overlong=shaping,
     )
 
 

@@ -24,11 +24,13 @@ class RolloutParts:
     engine: Any  # areal.engines.base.InferenceEngine
     params: Any  # areal.engines.base.SamplingParams
     decode_text: Callable[[list[int]], str]
+    eval_plan: Any  # areal.services.evaluation.EvalPlan | None
 
 
 def prepare(settings: RunSettings, worker_id: str) -> RolloutParts:
     import torch
 
+    from areal.data.prompts import stop_token_ids
     from areal.data.tokenizer import load_tokenizer
     from areal.engines.base import InferenceEngineConfig, SamplingParams
     from areal.engines.factory import make_inference_engine
@@ -38,7 +40,7 @@ def prepare(settings: RunSettings, worker_id: str) -> RolloutParts:
     torch.set_num_threads(r.torch_threads)
     path = resolve_model_path(settings)
     tok = load_tokenizer(path)
-    stop_ids = (tok.eos_token_id,)
+    stop_ids = stop_token_ids(tok, path, view.prompt.stop)
     engine = make_inference_engine(
         InferenceEngineConfig(
             kind=r.engine,
@@ -59,12 +61,44 @@ def prepare(settings: RunSettings, worker_id: str) -> RolloutParts:
     def decode_text(ids: list[int]) -> str:
         return tok.decode([t for t in ids if t not in stop_ids], skip_special_tokens=True)
 
-    return RolloutParts(view, engine, params, decode_text)
+    return RolloutParts(view, engine, params, decode_text, _eval_plan(view, tok, params))
+
+
+def _eval_plan(view: RolloutView, tok: Any, params: Any) -> Any:
+    """The held-out set rendered as the controller renders tasks, or None without eval."""
+    if view.eval.every_versions == 0:
+        return None
+    from dataclasses import replace
+
+    from areal.data.prompts import PromptBuilder
+    from areal.data.sources import make_sources
+    from areal.services.evaluation import EvalItem, EvalPlan
+
+    _, held_out = make_sources(view.data, view.seed)
+    if held_out is None:
+        raise ValueError(
+            "eval.every_versions is set but the run has no held-out set: set data.eval_size "
+            "(items held out of the training data) or data.eval_source"
+        )
+    prompts = PromptBuilder(view.prompt, tok)
+    items = [held_out.get(i) for i in range(len(held_out))]
+    return EvalPlan(
+        every_versions=view.eval.every_versions,
+        items=[EvalItem(prompts.ids(it), it.answer) for it in items],
+        params=replace(
+            params,
+            temperature=view.eval.temperature,
+            max_new_tokens=view.eval.max_new_tokens or params.max_new_tokens,
+        ),
+        reward_fn=view.reward_fn,
+        timeout_s=view.reward_timeout_s,
+    )
 
 
 def build(parts: RolloutParts, bus: Bus) -> RolloutService:
     from areal.core.scheduling import SchedulerPolicy
     from areal.engines.torch_infer import weights_from_safetensors
+    from areal.services.evaluation import Evaluator
     from areal.services.rollout import RolloutService
 
     r = parts.view.rollout
@@ -78,6 +112,7 @@ def build(parts: RolloutParts, bus: Bus) -> RolloutService:
         ),
         max_concurrent_tasks=r.max_concurrent_tasks,
         weights_from_bytes=weights_from_safetensors,
+        evaluator=Evaluator(parts.eval_plan) if parts.eval_plan is not None else None,
     )
 
 

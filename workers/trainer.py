@@ -81,6 +81,7 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService:
         adv_batch_norm=a.adv_batch_norm,
         weights_dtype=v.model.dtype,
         weights_dir=v.weights_dir,
+        mask_overlong=v.mask_overlong,
     )
     return TrainerService(bus, parts.engine, opts, Path(v.out_dir))
 

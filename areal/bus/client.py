@@ -165,10 +165,15 @@ class Bus:
         """Live events `areal.<run>.events.<kind>` (core subscription; malformed ones skipped)."""
         return await subscribe_events(self._nc, self.names.events_subject(kind), cb)
 
-    async def subscribe_metrics(self, role: str, type_: str, cb: OnMetric) -> BusSubscription:
-        """Live metrics `areal.<run>.metrics.<role>.<type>` (e.g. the trainer's `step` records)."""
+    async def subscribe_metrics(
+        self, role: str, type_: str, cb: OnMetric, *, replay: bool = False
+    ) -> BusSubscription:
+        """Live metrics `areal.<run>.metrics.<role>.<type>` (e.g. the trainer's `step` records);
+        `replay`: first every such record the metrics stream still holds."""
         subject = f"{self.names.metrics_subject(role)}.{type_}"
-        return await subscribe_decoded(self._nc, subject, MetricRecord, cb)
+        return await subscribe_decoded(
+            self._nc, subject, MetricRecord, cb, js=self._js if replay else None
+        )
 
     # ---------------------------------------------------------------- publishing
     async def publish(
@@ -327,6 +332,11 @@ class Bus:
 
     async def kv_put(self, key: str, value: BaseModel) -> None:
         await (await self._run_state()).put(key, value)
+
+    async def kv_claim(self, key: str, value: BaseModel) -> bool:
+        """Create `key` with `value` if it does not exist yet: True for exactly one caller
+        (e.g. the one rollout replica that runs an evaluation round)."""
+        return await (await self._run_state()).create(key, value)
 
     async def kv_watch(self, key: str) -> KVWatch:
         """Changes of `key` from now on (`KVWatch.wait`); create it before reading the key."""

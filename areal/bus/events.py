@@ -2,7 +2,9 @@
 delivered live to a typed callback.
 
 A core subscription: it sees messages published from the moment it exists (both are also kept
-in the run's streams for replay, `areal tap events --history N`). A message that does not
+in the run's streams for replay, `areal tap events --history N`). With `js` given, an ordered
+JetStream consumer replays what the stream still holds of the subject first, then goes on live
+(for a reader that must not miss records published while it was down). A message that does not
 decode as the expected model is logged and skipped; the subscription keeps going.
 """
 
@@ -15,6 +17,8 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
 
 from areal.bus.codec import DecodeError, decode
 from schemas import Event, Message, MetricRecord
@@ -42,7 +46,11 @@ class EventSubscription(BusSubscription):
 
 
 async def subscribe_decoded(
-    nc: Client, subject: str, cls: type[M], cb: Callable[[M], Awaitable[None]]
+    nc: Client,
+    subject: str,
+    cls: type[M],
+    cb: Callable[[M], Awaitable[None]],
+    js: JetStreamContext | None = None,
 ) -> BusSubscription:
     async def on_msg(msg: Msg) -> None:
         try:
@@ -52,6 +60,11 @@ async def subscribe_decoded(
             return
         await cb(obj)
 
+    if js is not None:
+        sub = await js.subscribe(
+            subject, cb=on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+        )
+        return BusSubscription(sub, subject)
     return BusSubscription(await nc.subscribe(subject, cb=on_msg), subject)
 
 

@@ -15,7 +15,7 @@ import asyncio
 from typing import TypeVar
 
 import nats.errors
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ValidationError
 
@@ -88,6 +88,14 @@ class RunStateKV:
 
     async def put(self, key: str, value: BaseModel) -> None:
         await self._kv.put(key, value.model_dump_json().encode())
+
+    async def create(self, key: str, value: BaseModel) -> bool:
+        """Write `key` only if it has no value yet; True if this call wrote it."""
+        try:
+            await self._kv.create(key, value.model_dump_json().encode())
+        except KeyWrongLastSequenceError:
+            return False
+        return True
 
     async def watch(self, key: str) -> KVWatch:
         return KVWatch(await self._kv.watch(key))

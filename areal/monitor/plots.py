@@ -1,6 +1,6 @@
 """`areal plot RUN_DIR`: PNG plots from a run's `metrics.jsonl` (matplotlib, Agg backend).
 
-Plots: reward vs step and vs wall time (+ eval reward when records have it), the sample
+Plots: reward vs step and vs wall time (+ the held-out reward of `eval.jsonl`), the sample
 staleness histogram over steps (stacked area), throughput per step, and idle fractions. The
 rollout idle fraction needs heartbeats, which a run dir does not hold by default: save them
 with `areal tap metrics.rollout.heartbeat --json --history -1 > RUN_DIR/heartbeats.jsonl`;
@@ -75,6 +75,34 @@ def _rollout_idle(run_dir: Path) -> dict[str, tuple[list[float], list[float]]]:
     return out
 
 
+def read_eval_records(path: Path) -> list[dict[str, Any]]:
+    """The evaluation rounds of `eval.jsonl` by round (a torn last line is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return sorted((r for r in out if "round" in r), key=lambda r: r["round"])
+
+
+def _eval_points(
+    evals: list[dict[str, Any]], recs: list[dict[str, Any]], *, by_wall: bool
+) -> list[tuple[float, float]]:
+    """(x, held-out reward) per round: x is the policy version (= the step that made it), or
+    the wall time at which that step finished (0 for version 0)."""
+    wall_of = {int(r["step"]): float(r["wall_s"]) for r in recs if "wall_s" in r}
+    pts = []
+    for r in evals:
+        v = int(r["version"])
+        x = (0.0 if v == 0 else wall_of.get(v)) if by_wall else float(v)
+        if x is not None and r.get("eval_reward") is not None:
+            pts.append((x, float(r["eval_reward"])))
+    return pts
+
+
 def plot_run(
     run_dir: str | Path, out_dir: str | Path | None = None
 ) -> tuple[list[Path], list[str]]:
@@ -94,6 +122,7 @@ def plot_run(
     out = Path(out_dir) if out_dir else run_dir / "plots"
     out.mkdir(parents=True, exist_ok=True)
     steps, wall = _col(recs, "step"), _col(recs, "wall_s")
+    evals = read_eval_records(run_dir / "eval.jsonl")
     paths: list[Path] = []
     notes: list[str] = []
 
@@ -111,18 +140,14 @@ def plot_run(
     for ax, x, label in ((a1, steps, "step"), (a2, wall, "wall time (s)")):
         ax.plot(x, reward, color="tab:blue", alpha=0.3, linewidth=0.8, label="batch mean")
         ax.plot(x, smooth, color="tab:blue", linewidth=2, label="rolling mean")
-        ev = [
-            (xx, r["eval_reward"])
-            for xx, r in zip(x, recs, strict=True)
-            if r.get("eval_reward") is not None
-        ]
+        ev = _eval_points(evals, recs, by_wall=label != "step")
         if ev:
             ax.plot(
                 [e[0] for e in ev],
                 [e[1] for e in ev],
                 "o-",
                 color="tab:orange",
-                label="eval reward",
+                label="held-out reward (eval rounds)",
             )
         ax.set_xlabel(label)
         ax.set_ylabel("reward")

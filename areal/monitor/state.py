@@ -59,6 +59,7 @@ class RunState:
     dlq_reasons: dict[str, str] = field(default_factory=dict)  # stage -> latest reason
     queues: dict[str, dict[str, Any]] = field(default_factory=dict)  # stream -> QueueStats dict
     kv: dict[str, dict] = field(default_factory=dict)
+    evals: dict[int, dict[str, Any]] = field(default_factory=dict)  # eval round -> its record
     finished: dict[str, Any] | None = None
     # observed work-queue traffic: role -> [(time, tokens)], and when observation began
     activity: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
@@ -97,6 +98,8 @@ class RunState:
                 w.counters = deque(sorted(w.counters), maxlen=w.counters.maxlen)
         elif rec.type == "step" and "step" in v:
             self.steps[int(v["step"])] = {**v, "_time": rec.time}
+        elif rec.type == "eval" and "round" in v:
+            self.evals[int(v["round"])] = {**v, "_time": rec.time}
         elif rec.type == "admission" and rec.time >= self.admission.get("_time", 0.0):
             self.admission = {**v, "_time": rec.time}
 
@@ -150,6 +153,14 @@ class RunState:
 
     def reward_series(self, key: str = "reward_mean") -> list[float]:
         return [float(r[key]) for r in self.step_records() if r.get(key) is not None]
+
+    def eval_series(self) -> list[tuple[int, float]]:
+        """(policy version, held-out reward) of every evaluation round seen, by round."""
+        return [
+            (int(r["version"]), float(r["eval_reward"]))
+            for _, r in sorted(self.evals.items())
+            if r.get("eval_reward") is not None
+        ]
 
     def staleness_totals(self, key: str = "staleness_hist") -> dict[int, int]:
         """Sample lag -> count, summed over every step seen."""

@@ -184,9 +184,14 @@ def reward_panel(st: RunState, now: float) -> Panel:
             f"last {rewards[-1]:.3f}  first5 {sum(first) / len(first):.3f}  "
             f"last5 {sum(last5) / len(last5):.3f}  steps {len(rewards)}"
         )
-    evals = st.reward_series("eval_reward")
+    evals = st.eval_series()
     if evals:
-        lines.append(f"eval {sparkline(evals, 24)} last {evals[-1]:.3f}")
+        version, last = evals[-1]
+        first = evals[0][1]
+        lines.append(
+            f"held-out {sparkline([r for _, r in evals], 24)} v{evals[0][0]} {first:.3f} -> "
+            f"v{version} {last:.3f} ({len(evals)} rounds)"
+        )
     return Panel(Text("\n".join(lines)), title="Reward")
 
 

@@ -13,10 +13,19 @@ from areal.engines.base import TrainSeq
 
 
 def to_train_seqs(
-    batch: list[Group[Lease]], rewards: list[list[float]], *, norm_std: bool, batch_norm: bool
+    batch: list[Group[Lease]],
+    rewards: list[list[float]],
+    *,
+    norm_std: bool,
+    batch_norm: bool,
+    mask_truncated: bool = False,
 ) -> list[TrainSeq]:
     """One `TrainSeq` per sample, groups in batch order and samples in index order;
-    `rewards` is `[B][G]` in the same order (`Intake.rewards`)."""
+    `rewards` is `[B][G]` in the same order (`Intake.rewards`).
+
+    `mask_truncated` (`rollout.overlong: mask`, DAPO's overlong filtering): a sample cut at
+    `max_new_tokens` keeps its reward in its group's baseline but gets advantage 0, so its tokens
+    add no gradient (they still count in the token normaliser)."""
     adv = grpo_advantages(  # [B, G]
         torch.tensor(rewards, dtype=torch.float32), norm_std=norm_std, batch_norm=batch_norm
     )
@@ -30,7 +39,9 @@ def to_train_seqs(
                     output_ids=torch.from_numpy(unpack(s.output_ids).astype(np.int64)),
                     behav_logp=torch.from_numpy(unpack(s.behav_logp).copy()),
                     versions=torch.from_numpy(token_versions(scored)),
-                    adv=float(adv[gi, si]),
+                    adv=0.0
+                    if mask_truncated and s.finish_reason == "length"
+                    else float(adv[gi, si]),
                 )
             )
     return seqs

@@ -39,8 +39,10 @@ class TaskSource(Protocol):
     def get(self, i: int) -> TaskItem: ...
 
 
-class Tokenizer(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+class Prompts(Protocol):
+    """Renders a task to prompt ids (`areal.data.prompts.PromptBuilder`)."""
+
+    def ids(self, item: TaskItem) -> list[int]: ...
 
 
 class Controller:
@@ -48,19 +50,19 @@ class Controller:
         self,
         bus: Bus,
         source: TaskSource,
-        tokenizer: Tokenizer,
+        prompts: Prompts,
         *,
         policy: AdmissionPolicy,
         group_size: int,
     ) -> None:
-        self.bus, self.source, self.tokenizer = bus, source, tokenizer
+        self.bus, self.source, self.prompts = bus, source, prompts
         self.group_size = group_size
         self.admission = Admission(policy)
         self.trainer = TrainerState()
 
     def make_task(self, seq: int, version: int) -> Task:
         item = self.source.get(seq)  # task k is item k of the seeded order
-        ids = self.tokenizer.encode(item.prompt, add_special_tokens=False)
+        ids = self.prompts.ids(item)
         return Task(
             task_id=f"{self.bus.names.run_id}-t{seq}",
             seq=seq,

@@ -11,6 +11,9 @@ Invariants:
 - `timeout_s` is per sample, wherever the sample sits in its batch: a scorer that raises or runs
   past `timeout_s` gives reward 0 with the error in `verifier["error"]`, and the other samples of
   its batch keep their own rewards, scored in the same call (`areal/rewards/scoring.py`).
+- With overlong shaping (`rollout.overlong: penalty`) the published reward is the score plus
+  DAPO's overlong term (`areal/algo/overlong.py`), both kept in `verifier` (`score`,
+  `overlong_penalty`), so the score itself is never lost.
 - A scorer that hangs beyond the alarm's reach, or kills its process, costs a pool reset
   (`pool_resets` in the heartbeat) and a one-by-one re-score of its batch
   (`areal/services/reward_pool.py`); the sample is never lost.
@@ -19,10 +22,13 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import structlog
 
+from areal.algo.overlong import overlong_penalty
 from areal.bus.client import Bus, Lease
+from areal.bus.codec import unpack
 from areal.rewards.registry import get_reward_fn
 from areal.rewards.scoring import Scored
 from areal.services.common import BusyMeter, heartbeat_loop
@@ -31,6 +37,25 @@ from schemas import Sample, ScoredSample
 from schemas import subjects as S
 
 log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class OverlongShaping:
+    """DAPO's soft overlong punishment for completions near or at `max_new_tokens`."""
+
+    max_new_tokens: int
+    buffer: int
+    penalty: float
+
+    def __call__(self, sample: Sample) -> float:
+        n = len(unpack(sample.output_ids))
+        return overlong_penalty(
+            n,
+            sample.finish_reason,
+            max_new_tokens=self.max_new_tokens,
+            buffer=self.buffer,
+            penalty=self.penalty,
+        )
 
 
 class RewardService:
@@ -42,10 +67,12 @@ class RewardService:
         timeout_s: float,
         pool_workers: int,
         batch_size: int = 32,
+        overlong: OverlongShaping | None = None,
     ) -> None:
         get_reward_fn(fn_name)  # fail fast on a bad spec, in this process
         self.bus, self.fn_name, self.timeout_s = bus, fn_name, timeout_s
         self.pool_workers, self.batch_size = pool_workers, batch_size
+        self.overlong = overlong
         self.pool = ScoringPool(fn_name, workers=pool_workers, timeout_s=timeout_s)
         self.n_scored = 0  # scored samples published and acked
         self.n_errors = 0  # samples whose scorer raised or timed out (reward 0)
@@ -103,6 +130,10 @@ class RewardService:
             reward, detail = await self.score(sample)
         finally:
             self.meter.stop()
+        if self.overlong is not None:
+            term = self.overlong(sample)
+            detail |= {"score": reward, "overlong_penalty": term}
+            reward += term
         scored = ScoredSample(
             sample=sample, reward=reward, verifier=detail, reward_worker_id=self.bus.worker_id
         )

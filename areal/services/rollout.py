@@ -10,7 +10,9 @@ Invariants (the scheduling ones are the core's):
 - weights are fetched and verified off the event loop, then handed to the generating thread;
 - a task's message is acked only after all its G samples are published; a redelivery of a task
   in progress here is adopted (held and acked with it), and a task whose sample cannot be
-  published, or whose generation fails, is handed back (nak) for another attempt.
+  published, or whose generation fails, is handed back (nak) for another attempt;
+- with an `Evaluator`, a due evaluation round lets the running batch finish (no new requests
+  join it), then runs between batches on the weights held (`areal/services/evaluation.py`).
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from areal.bus.codec import unpack
 from areal.core.scheduling import Joined, Request, Scheduler, SchedulerPolicy
 from areal.engines.base import GenOutput, GenRequest, InferenceEngine, SamplingParams, WeightUpdate
 from areal.services.common import BusyMeter, heartbeat_loop
+from areal.services.evaluation import Evaluator
 from areal.services.samples import sample_of
 from schemas import Task, WeightAnnouncement
 from schemas import subjects as S
+from schemas.state import EvalClaim, eval_claim_key
 
 log = structlog.get_logger()
 
@@ -49,10 +53,12 @@ class RolloutService:
         policy: SchedulerPolicy,
         max_concurrent_tasks: int,
         weights_from_bytes: Callable[[bytes], StateDict],
+        evaluator: Evaluator | None = None,
     ) -> None:
         self.bus, self.engine, self.decode_text, self.params = bus, engine, decode_text, params
         self.policy, self.max_concurrent_tasks = policy, max_concurrent_tasks
         self.weights_from_bytes = weights_from_bytes
+        self.evaluator = evaluator
         self.sched: Scheduler[Lease, StateDict] = Scheduler(policy, engine.version)
         self._lock = threading.Lock()
         self._tasks: dict[str, tuple[Task, float]] = {}  # task id -> (task, received at)
@@ -62,6 +68,7 @@ class RolloutService:
         self.meter = BusyMeter()
         self.stats = dict.fromkeys(("samples", "tokens", "interrupts", "reprefill_tokens"), 0)
         self.stats |= {"weight_load_s": 0.0, "weight_loads": 0, "adopted_redeliveries": 0}
+        self.stats |= {"eval_rounds": 0}
 
     # ------------------------------------------------------------------ weights
     async def on_weights(self, ann: WeightAnnouncement) -> None:
@@ -107,6 +114,8 @@ class RolloutService:
 
     def _poll_requests(self) -> list[GenRequest]:
         """Generating thread, at token boundaries."""
+        if self._eval_due() is not None:
+            return []  # let the batch drain: the round runs between batches
         with self._lock:
             reqs = self.sched.take_requests(time.monotonic())
             return [GenRequest(key=r.key, prompt_ids=self._prompt(r)) for r in reqs]
@@ -156,10 +165,42 @@ class RolloutService:
         for lease in leases:
             await (lease.ack() if ack else lease.nak())
 
+    # ------------------------------------------------------------------ evaluation
+    def _eval_due(self) -> int | None:
+        return self.evaluator.due(self.engine.version) if self.evaluator is not None else None
+
+    async def _run_eval(self, rnd: int) -> None:
+        ev = self.evaluator
+        assert ev is not None
+        ev.skip(rnd)
+        claim = EvalClaim(round=rnd, worker_id=self.bus.worker_id, claimed_at=time.time())
+        try:
+            if not await self.bus.kv_claim(eval_claim_key(rnd), claim):
+                return  # another replica runs this round
+            t0 = time.perf_counter()
+            self.meter.start()
+            try:
+                version, outs = await asyncio.to_thread(ev.generate, self.engine)
+            finally:
+                self.meter.stop()
+            texts = [self.decode_text(o.output_ids) for o in outs]
+            scores = await ev.score(texts)
+            values = ev.summary(rnd, version, outs, scores, time.perf_counter() - t0)
+            await self.bus.metric("eval", values)
+        except Exception as e:  # a failed round is skipped; training samples go on
+            log.error("eval_round_failed", round=rnd, error=f"{type(e).__name__}: {e}")
+            return
+        self.stats["eval_rounds"] += 1
+        log.info("eval_round", **{k: values[k] for k in ("round", "version", "eval_reward", "n")})
+
     # ------------------------------------------------------------------ generation
     async def _generate_loop(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         while not stop.is_set():
+            rnd = self._eval_due()
+            if rnd is not None:
+                await self._run_eval(rnd)
+                continue
             with self._lock:
                 idle, needed = not self.sched.queue, self.sched.needed_version()
             if idle:
@@ -217,5 +258,7 @@ class RolloutService:
             gen.cancel()
             hb.cancel()
             await sub.unsubscribe()
+            if self.evaluator is not None:
+                self.evaluator.close()
             with contextlib.suppress(asyncio.CancelledError):
                 await gen  # re-raises the loop's failure, if it failed

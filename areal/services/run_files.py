@@ -1,8 +1,11 @@
-"""The trainer's files in `--out`: `metrics.jsonl` (one `StepRecord` per step) and
-`summary.json` (`RunSummary`).
+"""The trainer's files in `--out`: `metrics.jsonl` (one `StepRecord` per step),
+`eval.jsonl` (one record per evaluation round) and `summary.json` (`RunSummary`).
 
-Invariant: after a restart `metrics.jsonl` holds exactly the steps the checkpoint covers
-(`truncate`), so a step is never recorded twice nor skipped.
+Invariants:
+- after a restart `metrics.jsonl` holds exactly the steps the checkpoint covers (`truncate`),
+  so a step is never recorded twice nor skipped;
+- `eval.jsonl` holds each evaluation round at most once, in arrival order (`EvalLog.add` skips
+  a round it already has: the trainer replays the stream's eval records on every start).
 """
 
 from __future__ import annotations
@@ -36,6 +39,38 @@ class MetricsLog:
 
     def reward_means(self) -> list[float]:
         return [float(r["reward_mean"]) for r in self.records()]
+
+
+class EvalLog:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        recs = self.records()
+        if path.exists() and path.read_text() != "".join(json.dumps(r) + "\n" for r in recs):
+            # a torn last line from a crash: drop it (its round is replayed) before appending
+            write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in recs))
+        self.rounds = {r["round"] for r in recs}
+
+    def records(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        out = []
+        for ln in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(ln)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and "round" in rec:
+                out.append(rec)
+        return out
+
+    def add(self, values: dict) -> bool:
+        """Append a round's record unless it is already there; True if appended."""
+        if values["round"] in self.rounds:
+            return False
+        with open(self.path, "a") as f:
+            f.write(json.dumps(values) + "\n")
+        self.rounds.add(values["round"])
+        return True
 
 
 def write_summary(path: Path, summary: RunSummary) -> None:

@@ -36,8 +36,8 @@ from areal.engines.base import TrainEngine
 from areal.services.batches import to_train_seqs
 from areal.services.checkpoints import Checkpointer
 from areal.services.common import BusyMeter, heartbeat_loop
-from areal.services.run_files import MetricsLog, make_summary, write_summary
-from schemas import ScoredSample
+from areal.services.run_files import EvalLog, MetricsLog, make_summary, write_summary
+from schemas import MetricRecord, ScoredSample
 from schemas import subjects as S
 from schemas.state import CONTROLLER_KEY, TRAINER_KEY, ControllerState, RunSummary, StepRecord
 
@@ -54,6 +54,7 @@ class TrainerOptions:
     adv_batch_norm: bool = False
     weights_dtype: str = "float32"
     weights_dir: str | None = None  # None: object store; else a shared dir (file:// URIs)
+    mask_overlong: bool = False  # samples cut at max_new_tokens get advantage 0 (no gradient)
 
 
 class TrainerService:
@@ -62,6 +63,7 @@ class TrainerService:
         self.intake: Intake[Lease] = Intake(opts.intake)
         self.checkpoints = Checkpointer(engine, self.out_dir / "checkpoint", self._publish_state)
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl")
+        self.evals: EvalLog | None = None  # opened in run(), once out_dir exists
         self.meter = BusyMeter()
         self.t_start = time.time()
         self._data = asyncio.Event()
@@ -105,7 +107,13 @@ class TrainerService:
         o = self.opts
         info = self.intake.batch_info(batch)
         rewards = self.intake.rewards(batch)
-        seqs = to_train_seqs(batch, rewards, norm_std=o.adv_norm_std, batch_norm=o.adv_batch_norm)
+        seqs = to_train_seqs(
+            batch,
+            rewards,
+            norm_std=o.adv_norm_std,
+            batch_norm=o.adv_batch_norm,
+            mask_truncated=o.mask_overlong,
+        )
         trained_on = self.engine.version
         self.meter.start()
         t0 = time.perf_counter()
@@ -213,9 +221,19 @@ class TrainerService:
         log.info("run_finished", **summary.model_dump())
         return summary
 
+    async def _on_eval(self, rec: MetricRecord) -> None:
+        """A rollout worker's evaluation round: into `eval.jsonl` (once per round)."""
+        if self.evals is not None and "round" in rec.values and self.evals.add(rec.values):
+            log.info(
+                "eval_recorded",
+                **{k: rec.values.get(k) for k in ("round", "version", "eval_reward")},
+            )
+
     async def run(self, stop: asyncio.Event) -> RunSummary | None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         await self.restore()
+        self.evals = EvalLog(self.out_dir / "eval.jsonl")
+        evals = await self.bus.subscribe_metrics("rollout", "eval", self._on_eval, replay=True)
         consumer = asyncio.create_task(
             self.bus.consume(
                 S.REWARDS, ScoredSample, self.handle, max_inflight=1_000_000, stop=stop, inline=True
@@ -238,6 +256,7 @@ class TrainerService:
         finally:
             stop.set()
             hb.cancel()
+            await evals.unsubscribe()
             await self.checkpoints.flush()  # a stop mid-run still lands what was trained
             with contextlib.suppress(asyncio.CancelledError):
                 await consumer
