@@ -12,8 +12,21 @@ overhead-bound on CPU), and padded attention FLOPs are bounded by the 2x bucket 
 
 Segments come from the ``areal_seg_lens`` forward kwarg (a list of ints that transformers passes
 down to the attention function), else from ``position_ids`` restarting at 0. Anything else
-(a mask, a cache, several rows, sliding windows) goes to the stock sdpa function unchanged, so
-right-padded batches (causal attention never sees the right padding) stay exact too.
+(a mask, a cache, several rows) goes to the stock sdpa function, so right-padded batches
+(causal attention never sees the right padding) stay exact too.
+
+Sliding windows (``sliding_window`` kwarg, e.g. Mistral's ``config.sliding_window``) follow HF's
+semantics: query position q sees key position k iff ``0 <= q - k < window``.
+
+Invariants:
+- Packed rows: output = each segment's causal (windowed, if set) attention computed alone; no
+  query ever sees a key of another segment, with or without a sliding window.
+- A window that no key length exceeds (every segment, or the row's key length on the stock
+  path, <= window) cannot mask anything and is dropped: the fast ``is_causal`` kernels run.
+- A window that does matter is applied as an explicit boolean band mask (AND-ed with a given
+  4-D mask), never silently ignored; ``sliding_window`` never reaches the stock sdpa function.
+- Positions on the stock path are row positions with the queries at the end of the keys (the
+  cache layout); a caller's 4-D mask is otherwise used as given.
 """
 
 from __future__ import annotations
@@ -39,10 +52,10 @@ def varlen_sdpa_forward(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     seg_lens = kwargs.pop("areal_seg_lens", None)
+    window = _check_window(kwargs.pop("sliding_window", None))
     position_ids = kwargs.get("position_ids")
     plain = (
         attention_mask is not None
-        or kwargs.get("sliding_window") is not None
         or query.shape[0] != 1
         or query.shape[2] != key.shape[2]  # decoding with a cache
     )
@@ -50,12 +63,60 @@ def varlen_sdpa_forward(
         starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [query.shape[2]]
         seg_lens = [b - a for a, b in zip(starts, starts[1:], strict=False) if b > a]
     if plain or seg_lens is None or len(seg_lens) <= 1:
+        if window is not None and key.shape[2] > window:
+            attention_mask = _with_window(attention_mask, query.shape[2], key.shape[2], window)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    if sum(seg_lens) != query.shape[2]:
+        raise ValueError(
+            f"areal_seg_lens sum to {sum(seg_lens)} but the packed row has {query.shape[2]} tokens"
+        )
     return _bucketed_causal_sdpa(
-        sdpa_attention_forward, module, query, key, value, seg_lens, dropout, scaling
+        sdpa_attention_forward, module, query, key, value, seg_lens, dropout, scaling, window
     ), None
+
+
+def _check_window(window) -> int | None:
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(
+            f"sliding_window must be a positive int or None, got {window!r} (check the model "
+            "config's `sliding_window`)"
+        )
+    return window
+
+
+def window_mask(q_len: int, kv_len: int, window: int | None, device=None) -> torch.Tensor:
+    """[q_len, kv_len] bool, True where attention is allowed: causal, and (with a window)
+    ``q - k < window``. The queries are the last ``q_len`` of the ``kv_len`` key positions."""
+    q = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k = torch.arange(kv_len, device=device)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= q - k < window
+    return allowed
+
+
+def _with_window(
+    attention_mask: torch.Tensor | None, q_len: int, kv_len: int, window: int
+) -> torch.Tensor:
+    """A 4-D sdpa mask: `attention_mask` (bool, additive float, or None = causal) further
+    restricted to keys within `window` of each query."""
+    device = None if attention_mask is None else attention_mask.device
+    band = window_mask(q_len, kv_len, window, device)[None, None]  # [1, 1, q, kv]
+    if attention_mask is None:
+        return band
+    if attention_mask.ndim != 4:
+        raise ValueError(
+            f"varlen attention got a {attention_mask.ndim}-D attention mask with a sliding window; "
+            "expected a 4-D [B, 1|H, q, kv] mask"
+        )
+    band = band[..., -attention_mask.shape[-1] :] if attention_mask.shape[-1] < kv_len else band
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & band
+    return attention_mask.masked_fill(~band, torch.finfo(attention_mask.dtype).min)
 
 
 def length_buckets(seg_lens: list[int], ratio: float = 2.0) -> list[list[int]]:
@@ -99,8 +160,12 @@ def _bucket_plan(seg_lens: tuple[int, ...], device: torch.device) -> tuple[list,
     return buckets, inverse
 
 
-def _bucketed_causal_sdpa(sdpa, module, query, key, value, seg_lens, dropout, scaling):
-    """[1, L, H, D] output of causal attention within each segment of the packed row."""
+def _bucketed_causal_sdpa(
+    sdpa, module, query, key, value, seg_lens, dropout, scaling, window: int | None = None
+):
+    """[1, L, H, D] output of causal attention within each segment of the packed row; with a
+    `window`, query q of a segment sees only its keys k with q - k < window."""
+    window = _check_window(window)
     buckets, inverse = _bucket_plan(tuple(seg_lens), query.device)
     outs = []
     for flat, shape, valid in buckets:
@@ -109,15 +174,21 @@ def _bucketed_causal_sdpa(sdpa, module, query, key, value, seg_lens, dropout, sc
             # [1, H, L, D] -> [k, H, width, D]
             return x[0].index_select(1, flat).unflatten(1, shape).transpose(0, 1)
 
+        width = shape[1]
+        # Every segment of a bucket starts at row position 0, so one [width, width] mask fits
+        # all of them; a window no segment of the bucket exceeds changes nothing.
+        mask = None
+        if window is not None and width > window:
+            mask = window_mask(width, width, window, query.device)[None, None]
         out, _ = sdpa(
             module,
             rows(query),
             rows(key),
             rows(value),
-            None,
+            mask,
             dropout=dropout,
             scaling=scaling,
-            is_causal=True,
+            is_causal=mask is None,
         )  # [k, width, H, D]
         outs.append(out[valid])  # [sum(lens), H, D], segment by segment
     return torch.cat(outs).index_select(0, inverse).unsqueeze(0)

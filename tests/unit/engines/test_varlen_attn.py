@@ -62,3 +62,54 @@ def test_index_plan_cached_under_inference_mode_still_serves_autograd():
     out = _bucketed_causal_sdpa(sdpa_attention_forward, _Mod(), q, kv, kv, lens, 0.0, None)
     out.sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def _windowed_reference(q, k, v, lens, window):
+    """Each segment alone, with HF's sliding-window rule (q sees k iff 0 <= q - k < window),
+    written out as a plain masked softmax (GQA: each kv head serves 2 query heads)."""
+    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    outs, start = [], 0
+    for n in lens:
+        s = slice(start, start + n)
+        pos = torch.arange(n)
+        allowed = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < window)
+        scores = q[:, :, s] @ k[:, :, s].transpose(-1, -2) / q.shape[-1] ** 0.5
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        outs.append((probs @ v[:, :, s]).transpose(1, 2))  # [1, n, H, D]
+        start += n
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize(
+    ("lens", "window"),
+    [([5, 3, 9, 1, 9, 2, 17, 4], 4), ([12, 12], 1), ([7, 30, 2], 16), ([6, 5], 4096)],
+)
+def test_sliding_window_packed_rows_equal_each_segment_alone(lens, window):
+    # Mistral-style configs set sliding_window: packed rows must still keep segments apart and
+    # apply the window inside each one (a window wider than every segment changes nothing).
+    from areal.engines.varlen_attn import varlen_sdpa_forward
+
+    g = torch.Generator().manual_seed(1)
+    L, D = sum(lens), 8
+    q = torch.randn(1, 4, L, D, generator=g)
+    k = torch.randn(1, 2, L, D, generator=g)
+    v = torch.randn(1, 2, L, D, generator=g)
+    out, _ = varlen_sdpa_forward(
+        _Mod(), q, k, v, None, areal_seg_lens=list(lens), sliding_window=window
+    )
+    torch.testing.assert_close(out, _windowed_reference(q, k, v, lens, window), atol=1e-5, rtol=0)
+
+
+def test_sliding_window_on_the_stock_path_and_bad_windows():
+    from areal.engines.varlen_attn import varlen_sdpa_forward
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, h, 10, 8, generator=g) for h in (4, 2, 2))
+    # one segment goes to stock sdpa: the window becomes an explicit band mask
+    out, _ = varlen_sdpa_forward(_Mod(), q, k, v, None, areal_seg_lens=[10], sliding_window=3)
+    torch.testing.assert_close(out, _windowed_reference(q, k, v, [10], 3), atol=1e-5, rtol=0)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+            varlen_sdpa_forward(_Mod(), q, k, v, None, areal_seg_lens=[10], sliding_window=bad)
+    with pytest.raises(ValueError, match="areal_seg_lens sum to 9"):
+        varlen_sdpa_forward(_Mod(), q, k, v, None, areal_seg_lens=[4, 5])
