@@ -2,7 +2,16 @@
 
 Invariants:
 - The program is the completion's code (the last ```python block if any, else the first plain
-  ``` block, else the whole text) followed by `answer` (the tests). Reward 1.0 iff it exits 0.
+  ``` block, else the whole text) followed by `answer` (the tests): `code + "\n\n" + answer`.
+  Reward 1.0 iff it exits 0.
+- An `answer` holding the line `CODE_TESTS_MARKER` is `preamble + marker line + tests`: the
+  program is then `preamble`, the code, then `tests` (the preamble supplies what the code may
+  assume, such as the prompt's imports). Only the first marker line splits; without one, the
+  whole `answer` is tests.
+- `humaneval_answer(problem)` is such an answer for a HumanEval problem: the preamble is the
+  import lines (`import ...` / `from ...`) at the top of its `prompt` (before the first other
+  non-blank line), the tests are its `test` followed by `check(<entry_point>)`. So a completion
+  that restates the function without the prompt's imports (`List` in an annotation) still runs.
 - The child runs `python -I` (no user site, no PYTHON* variables, no cwd on sys.path) in a fresh
   temporary directory (removed afterwards), with a minimal environment (PATH, LANG, HOME=tmp:
   nothing from the parent's environment such as tokens or keys), address-space, CPU-time,
@@ -30,6 +39,8 @@ from pathlib import Path
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MEMORY_BYTES = 1 << 30
 MAX_FILE_BYTES = 16 << 20
+CODE_TESTS_MARKER = "# --- areal: tests ---"
+_MARKER_LINE_RE = re.compile(rf"^{re.escape(CODE_TESTS_MARKER)}[ \t]*(?:\r?\n|\Z)", re.MULTILINE)
 _BLOCK_RE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -51,6 +62,29 @@ def extract_code(completion: str) -> str:
     if blocks:
         return blocks[0][1]
     return completion
+
+
+def build_program(code: str, answer: str) -> str:
+    """The program run for `code` and `answer` (see the module invariants)."""
+    marker = _MARKER_LINE_RE.search(answer)
+    if marker is None:
+        return f"{code}\n\n{answer}\n"
+    preamble, tests = answer[: marker.start()], answer[marker.end() :]
+    return f"{preamble}\n\n{code}\n\n{tests}\n"
+
+
+def humaneval_answer(problem: dict[str, str]) -> str:
+    """The `answer` for a HumanEval problem (`prompt`, `test`, `entry_point`): its prompt's
+    leading imports as the preamble, its `check` called on the entry point as the tests."""
+    imports = []
+    for line in problem["prompt"].splitlines():
+        if line.startswith(("import ", "from ")):
+            imports.append(line)
+        elif line.strip():
+            break
+    preamble = "".join(f"{line}\n" for line in imports)
+    tests = f"{problem['test']}\ncheck({problem['entry_point']})\n"
+    return f"{preamble}{CODE_TESTS_MARKER}\n{tests}"
 
 
 def _limits(timeout_s: float, memory_bytes: int) -> None:
@@ -111,8 +145,9 @@ def run_code(
 
 
 def code_reward(completion: str, answer: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
-    """1.0 iff the completion's code followed by the tests in `answer` exits with status 0."""
-    program = f"{extract_code(completion)}\n\n{answer}\n"
+    """1.0 iff the completion's code, between the preamble and the tests of `answer`, exits with
+    status 0."""
+    program = build_program(extract_code(completion), answer)
     try:
         return 1.0 if run_code(program, timeout_s=timeout_s).passed else 0.0
     except Exception:  # sandbox setup failures (e.g. out of fds) must not kill a reward worker
