@@ -153,11 +153,40 @@ class ModelSettings(_Part):
 class DataSettings(_Part):
     source: str = Field(
         "synthetic:arithmetic",
-        description="synthetic:arithmetic | synthetic:running_sum | path to .jsonl / .parquet",
+        description="synthetic:arithmetic | synthetic:running_sum | reasoning_gym:<generator> | "
+        "champ[:file.json] | humaneval[:file.jsonl] | path to .jsonl / .parquet",
     )
-    prompt_field: str = Field("prompt", description="prompt field name in JSONL/Parquet records")
-    answer_field: str = Field("answer", description="answer field name in JSONL/Parquet records")
-    task_kwargs: dict[str, Any] = Field(default_factory=dict, description="synthetic task options")
+    prompt_field: str = Field(
+        "prompt",
+        description="prompt field of JSONL/Parquet records (GSM8K: question, DeepScaleR: problem)",
+    )
+    answer_field: str = Field(
+        "answer", description="answer field of JSONL/Parquet records (code: tests)"
+    )
+    task_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="options of a synthetic task or parameters of a reasoning_gym generator",
+    )
+    shuffle: bool = Field(
+        True, description="finite sources: a new seeded order of the records every epoch"
+    )
+    eval_size: int = Field(
+        0,
+        ge=0,
+        description="items held out of the training data for evaluation (eval.every_versions); "
+        "0 = none (or all of a finite data.eval_source)",
+    )
+    eval_source: str | None = Field(
+        None,
+        description="a separate held-out source (any data.source form); None = split "
+        "data.eval_size items off data.source",
+    )
+    split_seed: int = Field(
+        0,
+        ge=0,
+        description="seed of the held-out split of a finite source (independent of the run "
+        "seed, so runs with different seeds evaluate on the same items)",
+    )
 
 
 class AlgoSettings(_Part):
@@ -330,10 +359,18 @@ class RunSettings(BaseSettings):
                 "another host joins with `areal worker ROLE --join RUN_ID --nats-url URL` "
                 "(fetches the run's model) or --set model.path=<a local copy>"
             )
-        src = self.data.source
-        if not src.startswith("synthetic:") and not Path(src).is_file():
+        from areal.data.sources import source_error
+
+        for name in ("source", "eval_source"):
+            spec = getattr(self.data, name)
+            problem = spec is not None and source_error(spec)
+            if problem:
+                raise ValueError(f"data.{name}: {problem}")
+        if self.eval.every_versions and not (self.data.eval_size or self.data.eval_source):
             raise ValueError(
-                f"data.source {src!r} is neither synthetic:<task> nor an existing file"
+                f"eval.every_versions={self.eval.every_versions} but the run has no held-out "
+                "set: set data.eval_size (items held out of the training data) or "
+                "data.eval_source, or eval.every_versions=0"
             )
         return self
 

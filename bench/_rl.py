@@ -230,7 +230,8 @@ def run_areal(
         res.records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     with contextlib.suppress(OSError, ValueError):
         res.summary = json.loads((out_dir / "summary.json").read_text())
-    res.heartbeats = read_heartbeats(nats_url, run_id)
+    # A run that failed before declaring its streams has no heartbeats to replay.
+    res.heartbeats = read_heartbeats(nats_url, run_id) if res.records else {}
     if rc != 0:
         tail = launcher_log.read_text(errors="replace")[-1500:]
         print(f"  !! {name}: areal run exited {rc}; launcher log tail:\n{tail}", file=sys.stderr)

@@ -25,17 +25,11 @@ class ControllerParts:
 
 def prepare(settings: RunSettings, worker_id: str) -> ControllerParts:
     from areal.data.prompts import PromptBuilder
-    from areal.data.tasks import make_task_source
+    from areal.data.sources import make_sources
     from areal.data.tokenizer import load_tokenizer
 
     view = ControllerView.of(settings)
-    d = view.data
-    file_kw = (
-        {}
-        if d.source.startswith("synthetic:")
-        else {"prompt_field": d.prompt_field, "answer_field": d.answer_field}
-    )
-    source = make_task_source(d.source, view.seed, **file_kw, **d.task_kwargs)
+    source, _ = make_sources(view.data, view.seed)  # the training side of the held-out split
     prompts = PromptBuilder(view.prompt, load_tokenizer(resolve_model_path(settings)))
     prompts.ids(source.get(0))  # a template that does not fit the data fails before connecting
     return ControllerParts(view, source, prompts)

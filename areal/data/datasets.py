@@ -14,38 +14,12 @@ Invariants:
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
 from areal.data.tasks import TaskItem
 
-
-class _Records:
-    """Validated records of one file plus the epoch-permutation logic (shared by both loaders)."""
-
-    def __init__(
-        self, path: Path, items: list[tuple[str, str, dict[str, Any]]], shuffle: bool, seed: int
-    ):
-        if not items:
-            raise ValueError(f"dataset file {path} has no records")
-        self.items, self.shuffle, self.seed = items, shuffle, seed
-        self._perm_epoch: int | None = None
-        self._perm: list[int] = []
-
-    def get(self, index: int) -> TaskItem:
-        if index < 0:
-            raise IndexError(f"task index must be >= 0, got {index}")
-        n = len(self.items)
-        epoch, pos = divmod(index, n)
-        if self.shuffle:
-            if self._perm_epoch != epoch:
-                self._perm = list(range(n))
-                random.Random(f"epoch:{self.seed}:{epoch}").shuffle(self._perm)
-                self._perm_epoch = epoch
-            pos = self._perm[pos]
-        prompt, answer, metadata = self.items[pos]
-        return TaskItem(index, prompt, answer, dict(metadata))
+Record = tuple[str, str, dict[str, Any]]  # prompt, answer, metadata
 
 
 def _field(record: dict[str, Any], name: str, where: str) -> str:
@@ -66,79 +40,91 @@ def _item(record: Any, prompt_field: str, answer_field: str, where: str, extra: 
     return prompt, answer, {**meta, **extra}
 
 
-class JsonlTaskSource:
+def read_jsonl_records(path: str | Path, prompt_field: str, answer_field: str) -> list[Record]:
+    """Every record of a JSONL file, validated (module invariants)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {path} does not exist")
+    items = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+            extra = {"source": str(path), "line": line_no}
+            items.append(_item(record, prompt_field, answer_field, where, extra))
+    if not items:
+        raise ValueError(f"dataset file {path} has no records")
+    return items
+
+
+def read_parquet_records(path: str | Path, prompt_field: str, answer_field: str) -> list[Record]:
+    """Every row of a Parquet table, validated (module invariants). Needs pyarrow."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(
+            "reading Parquet datasets needs pyarrow: pip install 'areal-bus[parquet]'"
+        ) from None
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {path} does not exist")
+    table = pq.read_table(path)
+    for col in (prompt_field, answer_field):
+        if col not in table.column_names:
+            raise ValueError(
+                f"{path}: no {col!r} column (columns: {table.column_names}); "
+                "pass prompt_field= / answer_field= to name the right ones"
+            )
+    items = []
+    for row, record in enumerate(table.to_pylist()):
+        where = f"{path}: row {row}"
+        items.append(
+            _item(record, prompt_field, answer_field, where, {"source": str(path), "row": row})
+        )
+    if not items:
+        raise ValueError(f"dataset file {path} has no records")
+    return items
+
+
+class _FileSource:
+    """A file's records as a task source (`areal.data.sources.ListTaskSource` semantics)."""
+
+    read = staticmethod(read_jsonl_records)
+
+    def __init__(
+        self,
+        path: str | Path,
+        prompt_field: str = "prompt",
+        answer_field: str = "answer",
+        shuffle: bool = False,
+        seed: int = 0,
+    ):
+        from areal.data.sources import ListTaskSource
+
+        self.path = Path(path)
+        self.name = str(self.path)
+        records = type(self).read(self.path, prompt_field, answer_field)
+        self._src = ListTaskSource(self.name, records, shuffle=shuffle, seed=seed)
+
+    def __len__(self) -> int:
+        return len(self._src)
+
+    def get(self, index: int) -> TaskItem:
+        return self._src.get(index)
+
+
+class JsonlTaskSource(_FileSource):
     """One JSON object per line; blank lines are skipped."""
 
-    def __init__(
-        self,
-        path: str | Path,
-        prompt_field: str = "prompt",
-        answer_field: str = "answer",
-        shuffle: bool = False,
-        seed: int = 0,
-    ):
-        self.path = Path(path)
-        self.name = str(self.path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"dataset file {self.path} does not exist")
-        items = []
-        with self.path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{self.path}:{line_no}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
-                extra = {"source": str(self.path), "line": line_no}
-                items.append(_item(record, prompt_field, answer_field, where, extra))
-        self._records = _Records(self.path, items, shuffle, seed)
-
-    def __len__(self) -> int:
-        return len(self._records.items)
-
-    def get(self, index: int) -> TaskItem:
-        return self._records.get(index)
+    read = staticmethod(read_jsonl_records)
 
 
-class ParquetTaskSource:
+class ParquetTaskSource(_FileSource):
     """A Parquet table with (at least) the prompt and answer columns. Needs pyarrow."""
 
-    def __init__(
-        self,
-        path: str | Path,
-        prompt_field: str = "prompt",
-        answer_field: str = "answer",
-        shuffle: bool = False,
-        seed: int = 0,
-    ):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise ImportError(
-                "reading Parquet datasets needs pyarrow: pip install 'areal-bus[parquet]'"
-            ) from None
-        self.path = Path(path)
-        self.name = str(self.path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"dataset file {self.path} does not exist")
-        table = pq.read_table(self.path)
-        for col in (prompt_field, answer_field):
-            if col not in table.column_names:
-                raise ValueError(
-                    f"{self.path}: no {col!r} column (columns: {table.column_names}); "
-                    "pass prompt_field= / answer_field= to name the right ones"
-                )
-        items = []
-        for row, record in enumerate(table.to_pylist()):
-            where = f"{self.path}: row {row}"
-            extra = {"source": str(self.path), "row": row}
-            items.append(_item(record, prompt_field, answer_field, where, extra))
-        self._records = _Records(self.path, items, shuffle, seed)
-
-    def __len__(self) -> int:
-        return len(self._records.items)
-
-    def get(self, index: int) -> TaskItem:
-        return self._records.get(index)
+    read = staticmethod(read_parquet_records)

@@ -34,6 +34,7 @@ from areal.config import RunSettings, parse_overrides
 from schemas.run_files import CONFIG_NAME, DATA_PREFIX, MODEL_PREFIX, RunFilesManifest
 
 log = structlog.get_logger()
+DATA_FIELDS = ("source", "eval_source")  # data settings that may name a local file
 
 JOINED_SUBDIR = "joined"  # under the model cache dir: one dir per (run, shared files)
 WORKER_CONFIG_NAME = "worker-config.json"  # the joined config, paths pointing into the copy
@@ -76,13 +77,19 @@ def shared_files(settings: RunSettings) -> dict[str, bytes | Path]:
         )
     else:
         log.warning("model_not_shared", bytes=model_bytes, share_max_bytes=budget)
-    src = settings.data.source
-    if not src.startswith("synthetic:"):
-        data = Path(src)
-        if data.stat().st_size <= budget:
-            files[f"{DATA_PREFIX}{data.name}"] = data
+    from areal.data.sources import source_file
+
+    for name in DATA_FIELDS:
+        spec = getattr(settings.data, name)
+        data = None if spec is None else source_file(spec)
+        if data is None:
+            continue
+        size = data.stat().st_size
+        if size <= budget:
+            budget -= size
+            files[f"{DATA_PREFIX}{name}/{data.name}"] = data
         else:
-            log.warning("data_not_shared", path=src, bytes=data.stat().st_size)
+            log.warning("data_not_shared", setting=f"data.{name}", path=spec, bytes=size)
     return files
 
 
@@ -141,15 +148,20 @@ def joined_config(manifest: RunFilesManifest, files_dir: Path, overrides: list[s
             f"run {manifest.run_id!r} did not share its model (larger than the launcher's "
             "nats.share_max_bytes): pass --set model.path=<a local copy of the run's model dir>"
         )
-    if not str(cfg["data"]["source"]).startswith("synthetic:"):
-        shared = manifest.under(DATA_PREFIX)
+    from areal.data.sources import source_file, with_file
+
+    for name in DATA_FIELDS:
+        spec = cfg["data"].get(name)
+        if spec is None or source_file(str(spec)) is None:
+            continue
+        shared = manifest.under(f"{DATA_PREFIX}{name}/")
         if shared:
-            cfg["data"]["source"] = str((files_dir / shared[0].name).resolve())
-        elif not _overridden(given, "data", "source"):
+            cfg["data"][name] = with_file(str(spec), (files_dir / shared[0].name).resolve())
+        elif not _overridden(given, "data", name):
             raise JoinError(
-                f"run {manifest.run_id!r} did not share its data file {cfg['data']['source']!r} "
+                f"run {manifest.run_id!r} did not share its data.{name} file {spec!r} "
                 "(larger than the launcher's nats.share_max_bytes): pass --set "
-                "data.source=<a local copy>"
+                f"data.{name}=<a local copy>"
             )
     path = files_dir / WORKER_CONFIG_NAME
     tmp = files_dir / f".{WORKER_CONFIG_NAME}.{os.getpid()}-{uuid.uuid4().hex[:6]}"

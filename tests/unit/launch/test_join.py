@@ -92,7 +92,7 @@ def test_model_then_data_are_shared_within_the_byte_budget(model_dir, data_file)
     everything = shared_files(settings_for(model_dir, data_file))
     assert sorted(everything) == [
         "config.json",
-        "data/tasks.jsonl",
+        "data/source/tasks.jsonl",
         "model/config.json",
         "model/model.safetensors",
         "model/sub/extra.txt",
@@ -121,7 +121,7 @@ def test_the_joined_config_points_into_the_shared_copy(model_dir, data_file, tmp
     s = load_settings(path, ["nats.url=nats://launcher:4222"])
     assert Path(s.model.path) == (copy / "model").resolve()
     assert (Path(s.model.path) / "model.safetensors").read_bytes() == b"w" * 100
-    assert Path(s.data.source) == (copy / "data" / "tasks.jsonl").resolve()
+    assert Path(s.data.source) == (copy / "data" / "source" / "tasks.jsonl").resolve()
     assert s.cache_dir is None  # this host's own cache, not the launcher's
     assert s.nats.url == "nats://launcher:4222"
     assert s.reward_fn_name() == "math"
@@ -133,11 +133,30 @@ def test_what_was_not_shared_needs_an_override_naming_the_fix(model_dir, data_fi
     manifest = manifest_of(files)
     with pytest.raises(JoinError, match=r"did not share its model.*--set model\.path="):
         joined_config(manifest, copy, [])
-    with pytest.raises(JoinError, match=r"did not share its data file.*--set data\.source="):
+    with pytest.raises(
+        JoinError, match=r"did not share its data\.source file.*--set data\.source="
+    ):
         joined_config(manifest, copy, [f"model.path={model_dir}"])
     path = joined_config(manifest, copy, [f"model.path={model_dir}", f"data.source={data_file}"])
     s = load_settings(path, [f"model.path={model_dir}", f"data.source={data_file}"])
     assert s.model.path == str(model_dir) and s.data.source == str(data_file)
+
+
+def test_an_eval_source_file_and_a_packaged_set_are_shared_as_configured(
+    model_dir, data_file, tmp_path
+):
+    held = tmp_path / "held.json"
+    held.write_text("{}")
+    s = settings_for(model_dir, "champ", f"data.eval_source=champ:{held}", "data.eval_size=1")
+    files = shared_files(s)
+    # the packaged CHAMP set needs no file; the eval source's file travels under its setting
+    assert [n for n in files if n.startswith("data/")] == ["data/eval_source/held.json"]
+    copy = materialise(files, tmp_path / "copy")
+    got = load_settings(joined_config(manifest_of(files), copy, []), [])
+    assert got.data.source == "champ"
+    assert (
+        got.data.eval_source == f"champ:{(copy / 'data' / 'eval_source' / 'held.json').resolve()}"
+    )
 
 
 def test_only_a_non_loopback_url_is_offered_to_other_hosts():
