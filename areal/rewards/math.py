@@ -15,11 +15,15 @@ Invariants:
 - Route, first match wins. (1) exact: when the completion states an anchored answer (the last
   `\\boxed{}`, `#### x`, `answer is x` / `answer: x`) that equals the gold as an exact rational or
   as normalised text, 1.0; when both are exact numbers and neither has a `%`, 0.0. (2)
-  math-verify: the last `\\boxed{}` alone if there is one, else the whole final segment, parsed
-  and compared symbolically (fractions, radicals, polynomials, sets, intervals, percentages,
+  last_number: with no anchored answer (and no `\\boxed` at all: a completion whose boxes are
+  all empty or unclosed states nothing and scores 0.0), the last number of the final segment equal to the gold
+  scores 1.0, and against a gold that is an exact number anything else scores 0.0: a plain
+  expression in the text is never evaluated ("I do not know. 3+4" never matches 7). (3)
+  math-verify: the last `\\boxed{}` alone if there is one, else the anchored answer, else (a
+  non-numeric gold) only the LaTeX math of the final segment, parsed and compared symbolically (fractions, radicals, polynomials, sets, intervals, percentages,
   LaTeX); a prediction with `{` nested deeper than `MAX_BRACE_DEPTH` (inside its box) is not
   parsed and scores 0.0 (route `rejected`): math-verify's parse time doubles with each level of
-  bare braces (`{{{7}}}`, 16 levels take ~30 s). (3) without an importable `math_verify`: the
+  bare braces (`{{{7}}}`, 16 levels take ~30 s). (4) without an importable `math_verify`: the
   pure comparison of `extract_answer` with `numbers_equal` (logged once,
   `math_verify_unavailable`).
 - Exact numbers: ints, decimals, `a/b`, `\\frac{a}{b}`, a trailing `%`; spaces, `$`, `\\$`, `\\,`
@@ -229,9 +233,11 @@ def brace_depth(text: str) -> int:
     return deepest
 
 
-def _mv_equal(mv: ModuleType, prediction: str, gold: str) -> bool:
+def _mv_equal(mv: ModuleType, prediction: str, gold: str, *, latex_only: bool = False) -> bool:
     gold_parsed = _parse_gold(mv, gold)
-    configs = [mv.LatexExtractionConfig(), mv.ExprExtractionConfig()]
+    configs = [mv.LatexExtractionConfig()]
+    if not latex_only:
+        configs.append(mv.ExprExtractionConfig())
     pred_parsed = mv.parse(prediction, configs, parsing_timeout=None)
     if not gold_parsed or not pred_parsed:
         return False
@@ -244,8 +250,8 @@ Detail = dict[str, str | None]  # route, predicted, gold, error
 
 
 def math_reward_detail(completion: str, answer: str) -> tuple[float, Detail]:
-    """`math_reward` with how it was decided: `route` (`no_answer`, `exact`, `math_verify`,
-    `rejected`, `pure_fallback`, `error`), the `predicted` and `gold` strings compared, and any
+    """`math_reward` with how it was decided: `route` (`no_answer`, `exact`, `last_number`,
+    `math_verify`, `rejected`, `pure_fallback`, `error`), the `predicted` and `gold` strings compared, and any
     `error` (the exception, or why the input was rejected)."""
     text, gold = final_segment(completion), reduce_gold(answer)
     detail: Detail = {"route": "no_answer", "predicted": None, "gold": gold, "error": None}
@@ -265,13 +271,31 @@ def math_reward_detail(completion: str, answer: str) -> tuple[float, Detail]:
         detail.update(route="pure_fallback", predicted=predicted)
         return (1.0 if predicted is not None and numbers_equal(predicted, gold) else 0.0), detail
     boxed = _last_boxed(text)
-    prediction = f"\\boxed{{{boxed}}}" if boxed else text
+    latex_only = False
+    if boxed:
+        prediction = f"\\boxed{{{boxed}}}"
+    elif anchored is not None:
+        prediction = anchored
+    elif "\\boxed" in text:  # only empty or unclosed boxes: the stated answer is nothing
+        detail.update(route="no_answer")
+        return 0.0, detail
+    else:
+        # No stated answer: the last number, exactly; plain expressions are never evaluated
+        # ("I do not know. 3+4" must not score against 7), only LaTeX math is parsed.
+        last = extract_answer(text)
+        if last is not None and numbers_equal(last, gold):
+            detail.update(route="last_number", predicted=last)
+            return 1.0, detail
+        if parse_number(gold) is not None:
+            detail.update(route="last_number", predicted=last)
+            return 0.0, detail
+        prediction, latex_only = text, True
     detail.update(route="math_verify", predicted=boxed or anchored)
     if brace_depth(prediction) > MAX_BRACE_DEPTH + 1:  # + 1: the box's own braces
         detail.update(route="rejected", error=f"braces nested deeper than {MAX_BRACE_DEPTH}")
         return 0.0, detail
     try:
-        return (1.0 if _mv_equal(mv, prediction, gold) else 0.0), detail
+        return (1.0 if _mv_equal(mv, prediction, gold, latex_only=latex_only) else 0.0), detail
     except Exception as e:  # a math-verify / sympy bug on odd input: this sample scores 0
         detail.update(route="error", error=f"{type(e).__name__}: {e}"[:500])
         log.warning("math_verify_error", error=detail["error"], gold=gold[:200])

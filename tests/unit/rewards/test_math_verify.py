@@ -95,7 +95,9 @@ CASES = [
     ("huge_number_equal", f"\\boxed{{{HUGE}}}", HUGE, 1.0),  # equal as text past int limits
     # math-verify's parse doubles per level of bare braces: rejected unparsed (see math.py)
     ("nested_braces", f"\\boxed{{{NESTED_7}}}", "7", 0.0),
-    ("unclosed_braces", "{" * 5000 + "7", "7", 0.0),
+    # no box, no anchor: the last number counts (7), and nothing is parsed
+    ("unclosed_braces", "{" * 5000 + "7", "7", 1.0),
+    ("unclosed_braces_wrong", "{" * 5000 + "8", "7", 0.0),
     ("gigantic_answer_at_end", GIGANTIC + "\\boxed{7}", "7", 1.0),
     ("gigantic_answer_at_start", "\\boxed{7} " + GIGANTIC, "7", 0.0),  # only the tail is read
     ("divide_by_zero", "\\boxed{\\frac{1}{0}}", "7", 0.0),
@@ -105,6 +107,13 @@ CASES = [
     ("answer_only_in_think", "<think>2 + 5 = 7, so \\boxed{7}</think>", "7", 0.0),
     ("answer_only_in_think_then_chat", "<think>\\boxed{7}</think>\nHope this helps!", "7", 0.0),
     ("cut_off_while_thinking", "<think>the answer is \\boxed{7}", "7", 0.0),
+    # restating the question is no answer: an unanchored plain expression is never evaluated
+    ("restated_question", "I do not know. 3+4", "Tom has 3+4 apples #### 7", 0.0),
+    ("expression_then_dots", "3 + 4 = ...", "7", 0.0),
+    ("restated_in_words", "There are no direct formulas to add 3 and 4 to 3 + 4.", "7", 0.0),
+    ("worked_then_result", "so 3+4 = 7", "7", 1.0),  # the last number is the answer
+    ("unanchored_decimal", "so it is 0.5", "\\frac{1}{2}", 1.0),
+    ("unanchored_latex", "we get $\\frac{1}{2}$", "\\frac12", 1.0),
 ]
 
 
