@@ -63,6 +63,7 @@ class RolloutService:
         self._lock = threading.Lock()
         self._tasks: dict[str, tuple[Task, float]] = {}  # task id -> (task, received at)
         self._weights_changed = asyncio.Event()
+        self._fetching: set[int] = set()  # versions being downloaded (guarded by _lock)
         self._queue_changed = asyncio.Event()
         self._publishes: set[asyncio.Task] = set()
         self.meter = BusyMeter()
@@ -71,10 +72,15 @@ class RolloutService:
         self.stats |= {"eval_rounds": 0}
 
     # ------------------------------------------------------------------ weights
+    def _fetch_covers(self, version: int) -> bool:
+        """A fetch of `version` or a newer one is already running (no second download)."""
+        return bool(self._fetching) and max(self._fetching) >= version
+
     async def on_weights(self, ann: WeightAnnouncement) -> None:
         with self._lock:
-            if ann.version <= self.sched.known_version:
+            if ann.version <= self.sched.known_version or self._fetch_covers(ann.version):
                 return
+            self._fetching.add(ann.version)
         t0 = time.perf_counter()
         try:
             data = await self.bus.get_weights(ann)
@@ -82,6 +88,9 @@ class RolloutService:
         except Exception as e:  # a bad or vanished version: keep generating, a newer one comes
             log.error("weights_load_failed", version=ann.version, error=str(e))
             return
+        finally:
+            with self._lock:
+                self._fetching.discard(ann.version)
         with self._lock:
             self.sched.offer_weights(ann.version, state)
         self.stats["weight_load_s"] += time.perf_counter() - t0
@@ -94,7 +103,7 @@ class RolloutService:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._weights_changed.wait(), 2.0)
         with self._lock:
-            missing = self.sched.known_version < version
+            missing = self.sched.known_version < version and not self._fetch_covers(version)
         if missing and not stop.is_set():  # a missed announcement? ask the stream
             ann = await self.bus.latest_weights()
             if ann is not None:
