@@ -22,6 +22,8 @@ from pathlib import Path
 
 import structlog
 
+from areal.proc import die_with_parent
+
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 LOOPBACK = "127.0.0.1"
 WILDCARD_HOSTS = ("0.0.0.0", "::")  # every interface: clients on this host use loopback
@@ -54,15 +56,6 @@ def free_port(host: str = LOOPBACK) -> int:
 
 def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def die_with_parent() -> None:
-    """preexec_fn: ask Linux to SIGTERM this child when its parent dies."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class EmbeddedNats:

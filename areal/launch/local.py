@@ -29,7 +29,7 @@ from typing import Literal
 
 import structlog
 
-from areal.bus.embedded import EmbeddedNats, die_with_parent
+from areal.bus.embedded import EmbeddedNats
 from areal.bus.errors import RunConflictError
 from areal.bus.streams import StorageLimitError
 from areal.config import ConfigError, RunSettings
@@ -38,6 +38,7 @@ from areal.launch import run_dir
 from areal.launch.join import public_url_of, share_run
 from areal.launch.preflight import check_run
 from areal.launch.worker import EXIT_CONFIG, resolve_model_path
+from areal.proc import die_with_parent
 
 log = structlog.get_logger()
 
@@ -87,10 +88,12 @@ class Launcher:
         check_run(self.s)
         if self.resume:
             point = run_dir.resume_point(self.out)
+            run_dir.ensure_writable(self.out)
             return point if point.finished_at(self.s.train.total_steps) else None
         gone = run_dir.prepare_new(
             self.out, overwrite=self.overwrite, weights_in_out=self.s.weights.dir is None
         )
+        run_dir.ensure_writable(self.out)
         if gone:
             names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in gone)
             print(f"--overwrite: deleted the previous run's {names} in {self.out}", file=sys.stderr)

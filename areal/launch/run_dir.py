@@ -13,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,24 @@ def prepare_new(out: Path, *, overwrite: bool, weights_in_out: bool) -> list[Pat
         else:
             p.unlink()
     return gone
+
+
+def ensure_writable(out: Path) -> None:
+    """Create `out` (and its parents) and prove a file can be written there, or raise one
+    `ConfigError` line naming the cause: a parent that is a file, a read-only or immutable
+    directory, a pseudo filesystem such as /proc, a full disk. Runs after every other check."""
+    probe = out / f".areal-write-probe-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(probe) else ""
+        raise ConfigError(
+            f"--out {out} cannot be written: {reason}{where}; choose a directory you can write "
+            "(e.g. --out runs/<name>)"
+        ) from None
 
 
 def resume_point(out: Path) -> ResumePoint:

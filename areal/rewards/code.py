@@ -16,7 +16,9 @@ Invariants:
   temporary directory (removed afterwards), with a minimal environment (PATH, LANG, HOME=tmp:
   nothing from the parent's environment such as tokens or keys), address-space, CPU-time,
   file-size and core-dump limits, and its own session so a timeout kills the whole process
-  group (children included).
+  group (children included). The program dies with the process that runs it (SIGKILL
+  included: PR_SET_PDEATHSIG), so a killed reward worker leaves no program running; a
+  descendant that left the program's session is not covered.
 - `code_reward` never raises for bad, hostile or hanging code; it returns 0.0.
 
 This is a resource sandbox, not a security boundary: code still sees the filesystem and the
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -35,6 +38,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from areal.proc import die_with_parent
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MEMORY_BYTES = 1 << 30
@@ -87,10 +92,10 @@ def humaneval_answer(problem: dict[str, str]) -> str:
     return f"{preamble}{CODE_TESTS_MARKER}\n{tests}"
 
 
-def _limits(timeout_s: float, memory_bytes: int) -> None:
-    # Runs in the child between fork and exec: only async-signal-safe-ish calls, no locks.
-    import resource
-
+def _limits(timeout_s: float, memory_bytes: int, parent_pid: int) -> None:
+    # Runs in the child between fork and exec: only async-signal-safe-ish calls, no imports.
+    # The program dies with the scoring process, even if that is SIGKILLed mid-run.
+    die_with_parent(signal.SIGKILL, parent_pid)
     cpu = max(1, int(timeout_s) + 1)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
@@ -112,6 +117,7 @@ def run_code(
     program: str, timeout_s: float = DEFAULT_TIMEOUT_S, memory_bytes: int = DEFAULT_MEMORY_BYTES
 ) -> CodeResult:
     """Run `program` in the sandbox described in the module docstring."""
+    parent = os.getpid()
     with tempfile.TemporaryDirectory(prefix="areal-code-") as tmp:
         script = Path(tmp) / "program.py"
         script.write_text(program, encoding="utf-8")
@@ -125,7 +131,7 @@ def run_code(
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
-                preexec_fn=lambda: _limits(timeout_s, memory_bytes),
+                preexec_fn=lambda: _limits(timeout_s, memory_bytes, parent),
                 start_new_session=True,
                 close_fds=True,
             )

@@ -13,6 +13,9 @@ Invariants:
   retried on the new pool, never blamed on its samples.
 - `score` returns one outcome per item, in order; it raises only for what is not a scorer's
   failure (e.g. the pool was closed).
+- The scoring processes die with the worker that owns them, SIGKILL included
+  (`areal.proc.die_with_parent`); so does multiprocessing's resource tracker, which exits once
+  no process holds its pipe.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import multiprocessing as mp
+import os
+import signal
 from concurrent.futures.process import BrokenProcessPool
 
+from areal.proc import die_with_parent
 from areal.rewards.scoring import Item, Scored, score_items, timeout_error
 
 BACKSTOP_SLACK_S = 5.0  # on top of len(items) * timeout_s: process start, imports, IPC
@@ -54,7 +60,13 @@ class ScoringPool:
         self._closed = False
 
     def _new_executor(self) -> cf.ProcessPoolExecutor:
-        return cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"))
+        # The scoring processes die with this worker, SIGKILL included (no orphaned pools).
+        return cf.ProcessPoolExecutor(
+            self.workers,
+            mp_context=mp.get_context("spawn"),
+            initializer=die_with_parent,
+            initargs=(signal.SIGKILL, os.getpid()),
+        )
 
     async def score(self, items: list[Item]) -> list[Scored]:
         """Score a batch in one call; after a hang or a crash, each item alone (see module)."""

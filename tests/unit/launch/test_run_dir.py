@@ -4,12 +4,19 @@ run artifacts, `--resume` knows a finished run from one it can extend."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from areal.config import ConfigError
-from areal.launch.run_dir import ResumePoint, artifacts, prepare_new, resume_point
+from areal.launch.run_dir import (
+    ResumePoint,
+    artifacts,
+    ensure_writable,
+    prepare_new,
+    resume_point,
+)
 
 
 def _old_run(out: Path, *, step: int, finished: bool) -> None:
@@ -119,3 +126,29 @@ def test_unreadable_checkpoint_state_is_a_config_error(tmp_path):
     (tmp_path / "checkpoint" / "trainer_state.json").write_text("{not json")
     with pytest.raises(ConfigError, match="trainer_state.json is unreadable"):
         resume_point(tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["proc", "under_a_file", "immutable"])
+def test_an_out_that_cannot_be_written_is_one_clear_line(tmp_path, kind):
+    if kind == "proc":
+        out = Path("/proc/areal-out")
+    elif kind == "under_a_file":
+        (tmp_path / "f").write_text("x")
+        out = tmp_path / "f" / "run"
+    else:
+        out = tmp_path / "frozen"
+        out.mkdir()
+        if subprocess.run(["chattr", "+i", str(out)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not supported on this filesystem (or not permitted)")
+    try:
+        with pytest.raises(ConfigError, match=r"--out .* cannot be written: .*choose a directory"):
+            ensure_writable(out)
+    finally:
+        if kind == "immutable":
+            subprocess.run(["chattr", "-i", str(out)], check=False)
+
+
+def test_a_writable_out_is_created_and_left_empty(tmp_path):
+    out = tmp_path / "a" / "b"
+    ensure_writable(out)
+    assert out.is_dir() and list(out.iterdir()) == []
