@@ -126,6 +126,14 @@ def test_bad_config_fails_before_anything_starts(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def _children_of(pid: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
@@ -171,22 +179,33 @@ def _worker_pid(launcher_pid: int, wid: str) -> int | None:
 
 @pytest.mark.slow  # kills and restarts workers mid-run: ~1-2 minutes
 def test_killed_workers_are_restarted_and_nothing_is_lost(tmp_path):
-    """SIGKILL the controller, a rollout worker and the trainer mid-run: the launcher restarts
-    them, the bus redelivers their unfinished work, the trainer resumes from its checkpoint, and
-    the run finishes with every admitted task accounted for exactly once."""
+    """SIGKILL the controller, a rollout worker, the reward worker and the trainer mid-run: the
+    launcher restarts them, the bus redelivers their unfinished work, the trainer resumes from
+    its checkpoint, and the run finishes with every admitted task accounted for exactly once.
+    The reward worker's scoring processes die with it (no orphans)."""
     out = tmp_path / "crash"
     proc = start_run(out, "train.total_steps=30", "nats.ack_wait_s=4")
+    orphans: list[int] = []
     try:
-        for wid, after_step in (("controller-0", 3), ("rollout-0", 8), ("trainer-0", 14)):
+        kills = (("controller-0", 3), ("rollout-0", 8), ("reward-0", 11), ("trainer-0", 14))
+        for wid, after_step in kills:
             wait_steps(proc, out, after_step)
             pid = _worker_pid(proc.pid, wid)
             assert pid is not None, wid
+            children = _children_of(pid)  # the reward worker's pool (spawned on first use)
             os.kill(pid, signal.SIGKILL)
+            if wid.startswith("reward"):
+                assert children, "the reward worker had no scoring process to check"
+                deadline = time.monotonic() + 60  # hang guard: the kernel signals at once
+                while [c for c in children if _alive(c)] and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                orphans = [c for c in children if _alive(c)]
         _, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err.decode()[-3000:]
+    assert orphans == [], "scoring processes outlived their reward worker"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 30 and summary["trained"] == 30 * 16
     assert (
