@@ -94,6 +94,13 @@ class NatsSettings(_Part):
         description="wait for a JetStream publish ack before retrying with the same "
         "Nats-Msg-Id (s)",
     )
+    outage_tolerance_s: float = Field(
+        300.0,
+        gt=0,
+        description="how long a publish or run-state read/write keeps retrying while the "
+        "server is unreachable (restarting, electing a leader) before the worker fails with "
+        "the reason (s)",
+    )
     listen_host: str = Field(
         "127.0.0.1",
         min_length=1,

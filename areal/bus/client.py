@@ -3,6 +3,9 @@
 Invariants:
 - every JetStream publish carries `Nats-Msg-Id` = the message's deterministic id, and is retried
   with the same id when the ack times out (the server de-duplicates);
+- a publish or run-state read/write rides through a server outage (restart, reconnect, leader
+  election): it is retried with backoff for up to `nats.outage_tolerance_s`, then raises
+  `BusUnavailable` with the reason (never a bare timeout mistaken for something else);
 - a consumed message is held by a `Lease` that heartbeats `in_progress` until the handler settles
   it (ack only once its effect is durable: published downstream or folded into a checkpoint);
 - a message that cannot be decoded, or whose handler keeps failing up to `max_deliver`, goes to
@@ -31,7 +34,7 @@ from pydantic import BaseModel
 from areal.bus.codec import DecodeError, decode, encode
 from areal.bus.connection import connect
 from areal.bus.embedded import MAX_PAYLOAD_BYTES
-from areal.bus.errors import MessageTooLarge
+from areal.bus.errors import BusUnavailable, MessageTooLarge
 from areal.bus.events import (
     BusSubscription,
     EventSubscription,
@@ -51,6 +54,16 @@ from schemas.subjects import RunNames
 
 log = structlog.get_logger()
 M = TypeVar("M", bound=Message)
+T_ = TypeVar("T_")
+# Errors of a server that is restarting, unreachable or electing a leader: retried. (A closed
+# connection is not among them: workers reconnect forever, so it was closed on purpose.)
+TRANSIENT_ERRORS = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    asyncio.TimeoutError,
+)
 T = TypeVar("T", bound=BaseModel)
 
 __all__ = ["Bus", "BusSubscription", "EventSubscription", "KVWatch", "Lease", "MessageTooLarge"]
@@ -191,18 +204,39 @@ class Bus:
                 "default here) or shorten max_new_tokens"
             )
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-        delay = 0.2
-        for attempt in range(12):
+        timeout_s = self.settings.publish_timeout_s
+        # the same Nats-Msg-Id on every try: a publish stored before its ack was lost is
+        # de-duplicated by the server
+        await self._through_outage(
+            lambda: self._acks.publish(subject, data, headers, timeout_s), f"publish to {subject}"
+        )
+
+    async def _through_outage(self, op: Callable[[], Awaitable[T_]], what: str) -> T_:
+        """`op()`, retried with backoff while the server is unreachable (a restart, a
+        reconnect, a leader election), for up to `nats.outage_tolerance_s`; then a
+        `BusUnavailable` naming `what`. `op` must be safe to repeat."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.outage_tolerance_s
+        delay, attempt = 0.2, 0
+        while True:
             try:
-                await self._acks.publish(subject, data, headers, self.settings.publish_timeout_s)
-                return
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
-                log.warning(
-                    "publish_retry", subject=subject, attempt=attempt, error=type(e).__name__
-                )
+                result = await op()
+            except TRANSIENT_ERRORS as e:
+                attempt += 1
+                if loop.time() + delay > deadline:
+                    raise BusUnavailable(
+                        f"{what}: the NATS server did not answer for "
+                        f"{self.settings.outage_tolerance_s:.0f} s ({type(e).__name__}); is it "
+                        "up? (nats.outage_tolerance_s sets how long workers wait)"
+                    ) from None
+                if attempt == 1 or attempt % 10 == 0:
+                    log.warning("bus_retry", what=what, attempt=attempt, error=type(e).__name__)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-        raise TimeoutError(f"publish to {subject} failed after retries (is JetStream up?)")
+                continue
+            if attempt:
+                log.info("bus_recovered", what=what, attempts=attempt)
+            return result
 
     async def metric(self, type_: str, values: dict[str, Any]) -> None:
         rec = MetricRecord(role=self.role, worker_id=self.worker_id, type=type_, values=values)
@@ -327,16 +361,22 @@ class Bus:
 
     async def kv_get(self, key: str, model: type[T]) -> T | None:
         """The run state under `key` as `model`; None only when the key has no value. A value
-        that does not validate raises `StateDecodeError` naming the key and the bucket."""
-        return await (await self._run_state()).get(key, model)
+        that does not validate raises `StateDecodeError` naming the key and the bucket.
+        Rides through a server outage (`_through_outage`)."""
+        state = await self._run_state()
+        return await self._through_outage(lambda: state.get(key, model), f"reading {key!r}")
 
     async def kv_put(self, key: str, value: BaseModel) -> None:
-        await (await self._run_state()).put(key, value)
+        state = await self._run_state()
+        await self._through_outage(lambda: state.put(key, value), f"writing {key!r}")
 
     async def kv_claim(self, key: str, value: BaseModel) -> bool:
         """Create `key` with `value` if it does not exist yet: True for exactly one caller
-        (e.g. the one rollout replica that runs an evaluation round)."""
-        return await (await self._run_state()).create(key, value)
+        (e.g. the one rollout replica that runs an evaluation round). A create whose answer
+        was lost in an outage is retried, and then reads as taken: the claim may go to no one,
+        never to two."""
+        state = await self._run_state()
+        return await self._through_outage(lambda: state.create(key, value), f"claiming {key!r}")
 
     async def kv_watch(self, key: str) -> KVWatch:
         """Changes of `key` from now on (`KVWatch.wait`); create it before reading the key."""

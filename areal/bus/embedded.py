@@ -116,7 +116,9 @@ class EmbeddedNats:
             f"max_payload: {MAX_PAYLOAD_BYTES}\n"
             f"jetstream {{\n  {self._jetstream_conf()}\n}}\n" + self.extra_conf
         )
-        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child process
+        # append: a restart (the launcher's, after the server died) keeps the earlier log
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
         self.proc = subprocess.Popen(
             [find_nats_server(), "-c", str(conf)],
             stdout=log,
@@ -130,9 +132,9 @@ class EmbeddedNats:
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"nats-server exited with {self.proc.returncode}: "
-                    f"{self.log_path.read_text()[-2000:]}"
+                    f"{self.log_path.read_bytes()[offset:].decode(errors='replace')[-2000:]}"
                 )
-            if b"Server is ready" in self.log_path.read_bytes():
+            if b"Server is ready" in self.log_path.read_bytes()[offset:]:
                 if self.public_url is not None:
                     structlog.get_logger().warning(
                         "nats_server_exposed",

@@ -14,3 +14,7 @@ class StateDecodeError(ValueError):
 
 class MessageTooLarge(ValueError):
     """A message over the server's `max_payload`."""
+
+
+class BusUnavailable(RuntimeError):
+    """The NATS server stayed unreachable past `nats.outage_tolerance_s`."""

@@ -11,7 +11,10 @@ Invariants:
 - nothing is started and nothing in `--out` is touched before every check passed (`check`); a
   new run never deletes data implicitly (`areal.launch.run_dir`);
 - a worker that exits with `EXIT_CONFIG` (a deterministic failure) is not restarted: the run
-  stops with its one-line reason; other crashes are restarted up to `max_restarts` times.
+  stops with its one-line reason; other crashes are restarted up to `max_restarts` times, and
+  a worker that ran `HEALTHY_S` before it exited has its budget back; an exit because the bus
+  was away (`EXIT_BUS_UNAVAILABLE`) does not spend the budget;
+- a dead embedded nats-server is restarted on the same store and port, and said so.
 """
 
 from __future__ import annotations
@@ -37,25 +40,38 @@ from areal.data.warm_start import WarmStartLockTimeout
 from areal.launch import run_dir
 from areal.launch.join import public_url_of, share_run
 from areal.launch.preflight import check_run
-from areal.launch.worker import EXIT_CONFIG, resolve_model_path
+from areal.launch.worker import EXIT_BUS_UNAVAILABLE, EXIT_CONFIG, resolve_model_path
 from areal.proc import die_with_parent
 
 log = structlog.get_logger()
 
 RUN_ARTIFACTS = run_dir.RUN_ARTIFACTS  # kept importable from here
-Supervision = Literal["finished", "ignore", "restart", "give_up", "config_error"]
+Supervision = Literal["finished", "ignore", "restart", "restart_free", "give_up", "config_error"]
+HEALTHY_S = 300.0  # a worker up this long before it exits has its restart budget back
+MAX_OUTAGE_RESTARTS = 20  # restarts after outages (not counted in max_restarts), per worker
 
 
-def on_worker_exit(wid: str, returncode: int, restarts: int, max_restarts: int) -> Supervision:
+def on_worker_exit(
+    wid: str,
+    returncode: int,
+    restarts: int,
+    max_restarts: int,
+    *,
+    outage_restarts: int = 0,
+) -> Supervision:
     """What the launcher does when worker `wid` has exited with `returncode`.
 
     The trainer exiting 0 finishes the run; another role exiting 0 is done (the run finished);
-    `EXIT_CONFIG` is deterministic and never restarted; any other exit is restarted until
-    `max_restarts`, then the run gives up."""
+    `EXIT_CONFIG` is deterministic and never restarted; `EXIT_BUS_UNAVAILABLE` (the server was
+    away, not the worker's fault) is restarted without spending the budget, up to
+    `MAX_OUTAGE_RESTARTS`; any other exit is restarted until `max_restarts`, then the run gives
+    up. The caller resets both counts after a healthy period (`HEALTHY_S` of uptime)."""
     if returncode == 0:
         return "finished" if wid == "trainer-0" else "ignore"
     if returncode == EXIT_CONFIG:
         return "config_error"
+    if returncode == EXIT_BUS_UNAVAILABLE:
+        return "give_up" if outage_restarts >= MAX_OUTAGE_RESTARTS else "restart_free"
     return "give_up" if restarts >= max_restarts else "restart"
 
 
@@ -77,6 +93,9 @@ class Launcher:
         self.max_restarts = max_restarts
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {}
+        self.outage_restarts: dict[str, int] = {}
+        self.started_at: dict[str, float] = {}  # worker id -> time.monotonic() of its start
+        self.server_restarts = 0
         self._cfg_path: Path | None = None
         self._env: dict[str, str] = {}
         self.server: EmbeddedNats | None = None
@@ -151,6 +170,28 @@ class Launcher:
             preexec_fn=die_with_parent,
         )
         logf.close()
+        self.started_at[wid] = time.monotonic()
+
+    def _watch_server(self) -> int | None:
+        """Restart the embedded nats-server on its store and port if it died (workers ride
+        through the outage and reconnect); the run's exit code once that fails too often."""
+        server = self.server
+        if server is None or server.proc is None or server.proc.poll() is None:
+            return None
+        code = server.proc.returncode
+        if self.server_restarts >= MAX_OUTAGE_RESTARTS:
+            print(f"the embedded nats-server died again (exit {code}); giving up", file=sys.stderr)
+            return 1
+        self.server_restarts += 1
+        log.warning("nats_server_died", exit_code=code, restarts=self.server_restarts)
+        print(
+            f"the embedded nats-server exited ({code}); restarting it on its store "
+            f"({server.store_dir}); workers reconnect",
+            file=sys.stderr,
+        )
+        server.start()
+        log.warning("nats_server_restarted", url=server.url, restarts=self.server_restarts)
+        return None
 
     def stop_all(self, timeout_s: float = 15.0) -> None:
         for p in self.procs.values():
@@ -177,13 +218,22 @@ class Launcher:
         return lines[-1] if lines else "(no output)"
 
     def _supervise(self) -> int | None:
-        """One pass over the workers: the run's exit code once it is decided, else None."""
+        """One pass over the server and the workers: the run's exit code once it is decided,
+        else None."""
+        if (rc := self._watch_server()) is not None:
+            return rc
         # the trainer first: its clean exit ends the run whatever the others do meanwhile
         for wid, p in sorted(self.procs.items(), key=lambda kv: kv[0] != "trainer-0"):
             if p.poll() is None:
                 continue
+            if time.monotonic() - self.started_at.get(wid, 0.0) >= HEALTHY_S:
+                self.restarts.pop(wid, None)  # a healthy period: the budget is back
+                self.outage_restarts.pop(wid, None)
             restarts = self.restarts.get(wid, 0)
-            action = on_worker_exit(wid, p.returncode, restarts, self.max_restarts)
+            outages = self.outage_restarts.get(wid, 0)
+            action = on_worker_exit(
+                wid, p.returncode, restarts, self.max_restarts, outage_restarts=outages
+            )
             if action == "finished":
                 return 0
             if action == "config_error":
@@ -200,6 +250,10 @@ class Launcher:
                     file=sys.stderr,
                 )
                 return p.returncode or 1
+            if action == "restart_free":
+                self.outage_restarts[wid] = outages + 1
+                log.warning("worker_restarted_after_outage", worker=wid, outages=outages + 1)
+                self._start(wid)
             if action == "restart":
                 # crash recovery: the bus redelivers its unfinished work; the trainer resumes
                 # from its checkpoint, the controller from its KV cursor

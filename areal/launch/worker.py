@@ -12,7 +12,9 @@ hands unsettled work back to the stream (nak) so another replica picks it up at 
 Exit codes: 0 stopped or the run is finished; `EXIT_CONFIG` (2) a deterministic failure (a
 config error, a missing dependency: the role's `preflight` checks, or a `ConfigError` /
 `ImportError` from prepare), whose one-line reason is the last line the worker prints, and which
-a restart cannot fix (the launcher does not restart it); 1 anything else (restartable).
+a restart cannot fix (the launcher does not restart it); `EXIT_BUS_UNAVAILABLE` (3) the NATS
+server did not answer for `nats.outage_tolerance_s` (the launcher restarts it without spending
+its restart budget); 1 anything else (restartable).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 import structlog
 
 from areal.bus.client import Bus
-from areal.bus.errors import RunConflictError
+from areal.bus.errors import BusUnavailable, RunConflictError
 from areal.bus.streams import StorageLimitError
 from areal.config import ConfigError, RunSettings, load_settings, new_worker_id
 from areal.launch.preflight import check_role
@@ -44,6 +46,7 @@ P = TypeVar("P")
 Role = Literal["controller", "rollout", "reward", "trainer"]
 PREPARE_REPORT_S = 30.0
 EXIT_CONFIG = 2  # a deterministic failure: do not restart
+EXIT_BUS_UNAVAILABLE = 3  # the NATS server stayed away past nats.outage_tolerance_s
 
 
 class Service(Protocol):
@@ -244,6 +247,10 @@ async def _run(spec: RoleSpec[P], settings: RunSettings, worker_id: str, parts: 
                 log.info("run_already_finished")
         else:
             await spec.build(parts, bus).run(stop)
+    except BusUnavailable as e:  # the server, not this worker: the launcher restarts it freely
+        log.error("worker_failed_bus_unavailable", role=spec.role, error=str(e))
+        print(f"bus unavailable: {e}", flush=True)
+        rc = EXIT_BUS_UNAVAILABLE
     except Exception:
         log.exception("worker_failed", role=spec.role)
         rc = 1

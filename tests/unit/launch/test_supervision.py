@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from areal.launch.local import on_worker_exit
-from areal.launch.worker import EXIT_CONFIG
+from areal.launch.local import MAX_OUTAGE_RESTARTS, on_worker_exit
+from areal.launch.worker import EXIT_BUS_UNAVAILABLE, EXIT_CONFIG
 
 
 @pytest.mark.parametrize(
@@ -27,5 +27,55 @@ def test_on_worker_exit(wid, rc, restarts, action):
     assert on_worker_exit(wid, rc, restarts, max_restarts=3) == action
 
 
-def test_exit_config_is_distinct_from_crashes_and_signals():
+def test_exit_codes_are_distinct_from_crashes_and_signals():
     assert EXIT_CONFIG not in (0, 1) and EXIT_CONFIG > 0  # signals are negative return codes
+    assert EXIT_BUS_UNAVAILABLE not in (0, 1, EXIT_CONFIG) and EXIT_BUS_UNAVAILABLE > 0
+
+
+def test_an_outage_exit_does_not_spend_the_restart_budget():
+    # the server was away past nats.outage_tolerance_s: not the worker's fault
+    assert on_worker_exit("controller-0", EXIT_BUS_UNAVAILABLE, 3, 3) == "restart_free"
+    assert (
+        on_worker_exit(
+            "trainer-0", EXIT_BUS_UNAVAILABLE, 0, 3, outage_restarts=MAX_OUTAGE_RESTARTS - 1
+        )
+        == "restart_free"
+    )
+    # ...but a server that never comes back ends the run eventually
+    assert (
+        on_worker_exit("trainer-0", EXIT_BUS_UNAVAILABLE, 0, 3, outage_restarts=MAX_OUTAGE_RESTARTS)
+        == "give_up"
+    )
+
+
+class _Exited:
+    def __init__(self, rc: int) -> None:
+        self.returncode = rc
+
+    def poll(self) -> int:
+        return self.returncode
+
+
+def test_a_healthy_period_gives_the_restart_budget_back(monkeypatch, tmp_path):
+    import time
+
+    from areal.config import load_settings
+    from areal.launch.local import HEALTHY_S, Launcher
+
+    launcher = Launcher(load_settings(None, [f"out_dir={tmp_path}"]), max_restarts=3)
+    started: list[str] = []
+    monkeypatch.setattr(launcher, "_start", started.append)
+    # rollout-0 used its whole budget, but then ran longer than HEALTHY_S before crashing
+    launcher.procs["rollout-0"] = _Exited(1)
+    launcher.restarts["rollout-0"] = 3
+    launcher.started_at["rollout-0"] = time.monotonic() - HEALTHY_S - 1
+    assert launcher._supervise() is None and started == ["rollout-0"]
+    assert launcher.restarts["rollout-0"] == 1
+    # a crash right after a restart spends the budget as before
+    launcher.procs["reward-0"] = _Exited(1)
+    launcher.restarts["reward-0"] = 3
+    launcher.started_at["reward-0"] = time.monotonic()
+    launcher.procs.pop("rollout-0")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "reward-0.log").write_text("boom\n")
+    assert launcher._supervise() == 1
