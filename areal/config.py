@@ -297,6 +297,12 @@ class TrainSettings(_Part):
     )
     fixed_mb_size: int = Field(8, ge=1, description="sequences per micro-batch when packing=fixed")
     checkpoint_every: int = Field(1, ge=1, description="steps between trainer checkpoints")
+    checkpoint_retry_s: float = Field(
+        300.0,
+        gt=0,
+        description="how long a failing checkpoint write (full disk, unwritable dir) is retried "
+        "while training waits, before the trainer stops with the reason (s)",
+    )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads for the trainer")
 
 

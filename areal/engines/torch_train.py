@@ -196,8 +196,14 @@ class TorchTrainEngine:
         dst = Path(path)
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
-        torch.save(snapshot, tmp)
-        os.replace(tmp, dst)
+        try:
+            # a Python file object: a full disk or an unwritable dir raises OSError (torch's own
+            # path-based writer raises a RuntimeError that says less), and the caller retries
+            with open(tmp, "wb") as f:
+                torch.save(snapshot, f)
+            os.replace(tmp, dst)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def load_checkpoint(self, path: str) -> None:
         if not Path(path).is_file():

@@ -4,12 +4,19 @@ order, optionally in the background; the messages a checkpoint covers are acked 
 Invariants:
 - a lease is acked only after the checkpoint that covers its effect is on disk (`ack after
   durable`), and only then does the intake learn the checkpoint is written;
-- checkpoints land in step order (each write awaits the previous one);
+- checkpoints land in step order (a save starts only after the previous write landed);
 - `trainer_state.json` is replaced atomically, after the engine state, so a crash mid-write
   leaves the previous checkpoint whole;
 - a checkpoint taken while the engine is unchanged since its last save (e.g. to make group
   retirements durable between steps) writes only `trainer_state.json`;
-- `on_written` runs after each checkpoint lands (the trainer publishes its run state then).
+- `on_written` runs after each checkpoint lands (the trainer publishes its run state then);
+- at most one checkpoint is in flight: a save waits for the previous write to land first, so
+  a disk that stops taking writes pauses training (and acking) instead of letting the trainer
+  run ahead of what a resume can restore, and snapshots never pile up in memory;
+- a write that fails (`OSError`: a full disk, a read-only or unwritable dir) is retried in
+  place with backoff, logged loudly each time (`checkpoint_write_failed`) and once more when
+  it lands (`checkpoint_write_recovered`); after `retry_s` it raises `CheckpointWriteError`
+  naming the dir and the cause, and the trainer stops. Nothing it covers was acked.
 """
 
 from __future__ import annotations
@@ -22,12 +29,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from areal.bus.client import Lease
 from areal.core.intake import Intake
 from areal.engines.base import TrainEngine
 from schemas.state import CheckpointState
 
 STATE_FILE = "trainer_state.json"
+log = structlog.get_logger()
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -36,11 +46,22 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+class CheckpointWriteError(RuntimeError):
+    """Checkpoints could not be written for `retry_s`: the trainer must not go on."""
+
+
 class Checkpointer:
     def __init__(
-        self, engine: TrainEngine, ckpt_dir: Path, on_written: Callable[[], Awaitable[None]]
+        self,
+        engine: TrainEngine,
+        ckpt_dir: Path,
+        on_written: Callable[[], Awaitable[None]],
+        *,
+        retry_s: float = 300.0,
     ) -> None:
         self.engine, self.dir, self.on_written = engine, ckpt_dir, on_written
+        self.retry_s = retry_s
+        self.write_failures = 0  # failed write attempts so far (each one logged)
         self._last: asyncio.Task | None = None
         self._saved_version: int | None = None  # engine version of the last engine save
         self.last_write_s = 0.0  # duration of the last write (+ acks)
@@ -56,41 +77,30 @@ class Checkpointer:
         self._saved_version = self.engine.version
 
     async def save(self, intake: Intake[Lease], *, background: bool) -> None:
-        """Checkpoint now. In the background variant only the engine snapshot is taken here (the
-        next step may then change the weights); writing and acking run in a task chained after
-        the previous checkpoint's (`flush` waits for them)."""
+        """Checkpoint now, once the previous checkpoint has landed. In the background variant
+        only the engine snapshot is taken here (the next step may then change the weights);
+        writing and acking run in a task (`flush` waits for it)."""
+        await self.flush()  # one checkpoint in flight: a failing disk pauses training here
         ckpt, leases = intake.checkpoint()
         engine_changed = self._saved_version != self.engine.version
         self._saved_version = self.engine.version
         snapshot_fn = getattr(self.engine, "snapshot_checkpoint", None)
         if not background or snapshot_fn is None or not engine_changed:
-            await self._write(self._last, intake, ckpt, leases, engine_changed, None)
-            self._last = None
+            await self._write(intake, ckpt, leases, engine_changed, None)
             return
         snap = await asyncio.to_thread(snapshot_fn)
-        self._last = asyncio.create_task(
-            self._write(self._last, intake, ckpt, leases, engine_changed, snap)
-        )
+        self._last = asyncio.create_task(self._write(intake, ckpt, leases, engine_changed, snap))
 
     async def _write(
         self,
-        prev: asyncio.Task | None,
         intake: Intake[Lease],
         ckpt: CheckpointState,
         leases: list[Lease],
         engine_changed: bool,
         snap: Any,
     ) -> None:
-        if prev is not None:
-            await prev
         t0 = time.perf_counter()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        engine_path = str(self.dir / "engine")
-        if snap is not None:
-            await asyncio.to_thread(self.engine.write_checkpoint, snap, engine_path)
-        elif engine_changed:
-            await asyncio.to_thread(self.engine.save_checkpoint, engine_path)
-        await asyncio.to_thread(write_text_atomic, self.dir / STATE_FILE, ckpt.model_dump_json())
+        await self._write_files(ckpt, engine_changed, snap)
         for lease in leases:
             # best effort: an ack that does not arrive is a redelivery, de-duplicated by the
             # intake against this checkpoint's done tasks
@@ -100,7 +110,49 @@ class Checkpointer:
         await self.on_written()
         self.last_write_s = time.perf_counter() - t0
 
+    async def _write_files(self, ckpt: CheckpointState, engine_changed: bool, snap: Any) -> None:
+        """The engine state, then `trainer_state.json`, retried on `OSError` (module invariants)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.retry_s
+        delay, failures = 1.0, 0
+        while True:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                engine_path = str(self.dir / "engine")
+                if snap is not None:
+                    await asyncio.to_thread(self.engine.write_checkpoint, snap, engine_path)
+                elif engine_changed:
+                    await asyncio.to_thread(self.engine.save_checkpoint, engine_path)
+                state = ckpt.model_dump_json()
+                await asyncio.to_thread(write_text_atomic, self.dir / STATE_FILE, state)
+            except OSError as e:
+                failures += 1
+                self.write_failures += 1
+                reason = f"{type(e).__name__}: {e}"
+                if loop.time() + delay > deadline:
+                    raise CheckpointWriteError(
+                        f"checkpoints to {self.dir} failed for {self.retry_s:.0f} s ({reason}); "
+                        "nothing since the last checkpoint was acked: free disk space or fix the "
+                        "directory's permissions, then `areal run ... --resume`"
+                    ) from None
+                log.error(
+                    "checkpoint_write_failed",
+                    dir=str(self.dir),
+                    step=ckpt.trainer.step,
+                    error=reason,
+                    retry_in_s=delay,
+                    gives_up_in_s=round(deadline - loop.time()),
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 15.0)
+                continue
+            if failures:
+                log.warning("checkpoint_write_recovered", step=ckpt.trainer.step, failures=failures)
+            return
+
     async def flush(self) -> None:
-        """Wait for background checkpoints (and their acks) to land."""
+        """Wait for background checkpoints (and their acks) to land; re-raises a write's
+        `CheckpointWriteError`."""
         if self._last is not None:
-            await self._last
+            last, self._last = self._last, None
+            await last

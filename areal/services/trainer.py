@@ -50,6 +50,7 @@ class TrainerOptions:
     total_steps: int
     max_tokens_per_mb: int
     checkpoint_every: int = 1
+    checkpoint_retry_s: float = 300.0  # a failing checkpoint write is retried this long
     adv_norm_std: bool = True
     adv_batch_norm: bool = False
     weights_dtype: str = "float32"
@@ -61,7 +62,12 @@ class TrainerService:
     def __init__(self, bus: Bus, engine: TrainEngine, opts: TrainerOptions, out_dir: Path) -> None:
         self.bus, self.engine, self.opts, self.out_dir = bus, engine, opts, Path(out_dir)
         self.intake: Intake[Lease] = Intake(opts.intake)
-        self.checkpoints = Checkpointer(engine, self.out_dir / "checkpoint", self._publish_state)
+        self.checkpoints = Checkpointer(
+            engine,
+            self.out_dir / "checkpoint",
+            self._publish_state,
+            retry_s=opts.checkpoint_retry_s,
+        )
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl")
         self.evals: EvalLog | None = None  # opened in run(), once out_dir exists
         self.meter = BusyMeter()

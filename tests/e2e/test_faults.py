@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,49 @@ def test_an_external_server_restarted_five_times_costs_no_worker_crash(tmp_path)
         assert "worker_failed" not in text, name
     # the outages were real: the workers lost their connection and got it back
     assert sum(t.count("nats_reconnected") for t in logs.values()) >= 5 * len(logs)
+
+
+def _wait_log(path: Path, text: str, count: int, proc, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s  # hang guard
+    while not (path.exists() and path.read_text().count(text) >= count):
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, f"no {count}x {text} in {path.name}"
+        time.sleep(0.1)
+
+
+def _steps(out: Path) -> int:
+    return len((out / "metrics.jsonl").read_text().splitlines())
+
+
+@pytest.mark.slow  # a 20-step run with a stretch of failed checkpoint writes: ~1-2 minutes
+def test_an_unwritable_checkpoint_dir_pauses_training_and_nothing_is_lost(tmp_path):
+    out = tmp_path / "ckpt"
+    proc = start_run(out, "train.total_steps=20", "nats.ack_wait_s=4")
+    ckpt = out / "checkpoint"
+    frozen = False
+    try:
+        wait_steps(proc, out, 5)
+        if subprocess.run(["chattr", "+i", str(ckpt)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not supported here (needs root on ext4/xfs/btrfs/tmpfs)")
+        frozen = True
+        log = out / "logs" / "trainer-0.log"
+        _wait_log(log, "checkpoint_write_failed", 1, proc)
+        at_first = _steps(out)
+        _wait_log(log, "checkpoint_write_failed", 3, proc)  # >= 1 + 2 s of backoff later
+        # one checkpoint in flight: the trainer finished at most the step it was on, then
+        # waited (acking nothing) instead of running ahead of what a resume could restore
+        assert _steps(out) - at_first <= 1
+        subprocess.run(["chattr", "-i", str(ckpt)], check=True)
+        frozen = False
+        _, err = proc.communicate(timeout=900)  # hang guard
+    finally:
+        if frozen:
+            subprocess.run(["chattr", "-i", str(ckpt)], check=False)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err.decode()[-3000:]
+    text = (out / "logs" / "trainer-0.log").read_text()
+    assert "checkpoint_write_recovered" in text and "trainer_resumed" not in text
+    summary = check_invariants(out, eta=4, B=16)
+    assert summary["steps"] == 20
+    assert summary["admitted"] <= (summary["steps"] + 4 + 1) * 16

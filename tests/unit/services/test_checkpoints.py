@@ -1,0 +1,120 @@
+"""Checkpoint durability: a failing write is retried in place (nothing acked meanwhile), at most
+one checkpoint is in flight, and a write that keeps failing stops the trainer with the reason.
+
+A stand-in engine whose writes raise `OSError` a set number of times; the intake is the real
+one, the leases are recorders. Time is only the checkpointer's own retry budget."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from areal.core.intake import Intake, IntakePolicy
+from areal.services.checkpoints import STATE_FILE, Checkpointer, CheckpointWriteError
+from schemas import ScoredSample
+from tests.factories import make_sample
+
+
+class FlakyEngine:
+    """Writes fail with `OSError` `failures` times, then succeed."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.version, self.writes = failures, 0, 0
+
+    def save_checkpoint(self, path: str) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise OSError(28, "No space left on device", path)
+        self.writes += 1
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    def snapshot_checkpoint(self) -> dict:
+        return {"version": self.version}
+
+    def write_checkpoint(self, snap: dict, path: str) -> None:
+        self.save_checkpoint(path)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.acked = False
+
+    async def ack(self) -> None:
+        self.acked = True
+
+
+def filed_intake() -> tuple[Intake[Recorder], Recorder]:
+    intake: Intake[Recorder] = Intake(IntakePolicy(batch_size=1, group_size=1, max_staleness=0))
+    lease = Recorder()
+    sample = make_sample(3, task_id="t0", task_seq=0, sample_idx=0, group_size=1)
+    scored = ScoredSample(sample=sample, reward=1.0)
+    intake.file(scored, lease)
+    batch = intake.take_batch().batch
+    assert batch is not None
+    intake.commit_step(batch, version=1, wall_s=0.0)  # trained: its lease awaits a checkpoint
+    return intake, lease
+
+
+async def noop() -> None:
+    return None
+
+
+async def test_a_failing_write_is_retried_and_acks_only_once_it_lands(tmp_path, monkeypatch):
+    monkeypatch.setattr(asyncio, "sleep", _fast_sleep)
+    engine = FlakyEngine(failures=3)
+    ckpt = Checkpointer(engine, tmp_path / "ckpt", noop, retry_s=3600)
+    intake, lease = filed_intake()
+    engine.version = 1
+    await ckpt.save(intake, background=True)
+    await ckpt.flush()
+    assert engine.writes == 1 and ckpt.write_failures == 3
+    assert lease.acked and (tmp_path / "ckpt" / STATE_FILE).is_file()
+
+
+async def test_a_write_that_keeps_failing_stops_with_the_reason(tmp_path):
+    engine = FlakyEngine(failures=10**6)
+    # backoff 1 s, then 2 s would pass the 2.5 s budget: two tries, ~1 s
+    ckpt = Checkpointer(engine, tmp_path / "ckpt", noop, retry_s=2.5)
+    intake, lease = filed_intake()
+    engine.version = 1
+    await ckpt.save(intake, background=True)
+    with pytest.raises(CheckpointWriteError, match=r"No space left on device.*--resume"):
+        await ckpt.flush()
+    assert not lease.acked and not (tmp_path / "ckpt" / STATE_FILE).exists()
+
+
+async def test_the_next_save_waits_for_the_write_in_flight(tmp_path):
+    release = asyncio.Event()
+    order: list[str] = []
+
+    class SlowEngine(FlakyEngine):
+        def write_checkpoint(self, snap: dict, path: str) -> None:
+            order.append(f"write {snap['version']}")
+
+    engine = SlowEngine(failures=0)
+
+    async def on_written() -> None:
+        await release.wait()  # the first checkpoint lands only when released
+        order.append("landed")
+
+    ckpt = Checkpointer(engine, tmp_path / "ckpt", on_written)
+    intake, _ = filed_intake()
+    engine.version = 1
+    await ckpt.save(intake, background=True)
+    engine.version = 2
+    second = asyncio.ensure_future(ckpt.save(intake, background=True))
+    await asyncio.sleep(0.05)
+    assert not second.done()  # blocked behind the first write: no second snapshot yet
+    release.set()
+    await second
+    await ckpt.flush()
+    assert order == ["write 1", "landed", "write 2", "landed"]
+
+
+_real_sleep = asyncio.sleep
+
+
+async def _fast_sleep(delay: float, *a, **kw) -> None:
+    await _real_sleep(0)  # the retry backoff, without the wall-clock wait
