@@ -94,6 +94,10 @@ class BatchInfo(BaseModel):
     interrupted_frac: float = Field(description="samples whose generation switched weights")
     reprefill_tokens: int
     truncated_frac: float = Field(0.0, description="samples that hit max_new_tokens")
+    task_seqs: list[int] = Field(
+        default_factory=list,
+        description="admission seq of each task trained in this step (audits: none twice)",
+    )
 
 
 class StepRecord(BatchInfo):

@@ -251,6 +251,7 @@ class Intake(Generic[H]):
             interrupted_frac=sum(sc.sample.n_interrupts > 0 for sc in scored) / max(1, n),
             reprefill_tokens=sum(sc.sample.n_reprefill_tokens for sc in scored),
             truncated_frac=sum(sc.sample.finish_reason == "length" for sc in scored) / max(1, n),
+            task_seqs=[g.task_seq for g in batch],
         )
 
     def step_record(

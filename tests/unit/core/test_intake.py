@@ -132,6 +132,7 @@ def test_batch_info_on_a_tiny_batch() -> None:
     assert info.staleness_hist_tokens == {"1": 3, "2": 2}
     assert (info.token_version_min, info.token_version_max) == (2, 3)
     assert (info.interrupted_frac, info.truncated_frac) == (0.0, 0.0)
+    assert info.task_seqs == [0]  # the audit trail: which tasks this step trained
     assert intake.rewards(pick.batch) == [[1.0, 0.0]]
 
 
