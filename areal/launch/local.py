@@ -36,7 +36,6 @@ from areal.bus.embedded import EmbeddedNats
 from areal.bus.errors import RunConflictError
 from areal.bus.streams import StorageLimitError
 from areal.config import ConfigError, RunSettings
-from areal.data.warm_start import WarmStartLockTimeout
 from areal.launch import run_dir
 from areal.launch.join import public_url_of, share_run
 from areal.launch.preflight import check_run
@@ -303,6 +302,10 @@ class Launcher:
                 "to train further: --resume --set train.total_steps=<more>"
             )
             return 0
+        # torch and transformers come in with the warm start: only once every check passed, so
+        # a config error comes back at once
+        from areal.data.warm_start import WarmStartLockTimeout
+
         try:
             cfg = self.prepare()
             self.spawn(cfg)
