@@ -23,6 +23,20 @@ LogFormat = Literal["console", "json"]
 _configured = False
 
 
+class _CurrentStderr:
+    """Whatever `sys.stderr` is at the time of each write: a logger cached on first use keeps
+    working after `sys.stderr` is replaced (a redirect, a test's capture that has closed)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+_CURRENT_STDERR = _CurrentStderr()
+
+
 def setup_logging(*, level: LogLevel, log_format: LogFormat, **context: object) -> None:
     """Configure structlog (first call only) and bind `context` to every later event.
 
@@ -47,7 +61,7 @@ def setup_logging(*, level: LogLevel, log_format: LogFormat, **context: object) 
                 renderer,
             ],
             wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level)),
-            logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+            logger_factory=structlog.PrintLoggerFactory(file=_CURRENT_STDERR),
             cache_logger_on_first_use=True,
         )
         _configured = True

@@ -386,8 +386,12 @@ class Bus:
     async def put_weights(
         self, version: int, data: bytes, dtype: str, step: int, file_dir: str | None = None
     ) -> WeightAnnouncement:
-        """Store weights, then announce them (`RunWeights.put`)."""
-        return await self._weights.put(version, data, dtype, step, file_dir)
+        """Store weights, then announce them (`RunWeights.put`); rides through a server outage
+        (a stored object is overwritten by the retry, the announcement is de-duplicated)."""
+        return await self._through_outage(
+            lambda: self._weights.put(version, data, dtype, step, file_dir),
+            f"storing weights v{version}",
+        )
 
     async def get_weights(self, ann: WeightAnnouncement) -> bytes:
         """Fetch the announced weights and verify their digest (`RunWeights.get`)."""
