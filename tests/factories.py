@@ -43,3 +43,14 @@ def make_task(**fields) -> Task:
             **fields,
         }
     )
+
+
+def process_alive(pid: int) -> bool:
+    """`pid` exists and is not a zombie (read from /proc; Linux)."""
+    from pathlib import Path
+
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -38,6 +38,7 @@ from typing import Any, Literal
 import torch
 
 from areal.data.tokenizer import load_tokenizer
+from areal.engines.hf_io import _swap_in  # one atomic dir swap for every HF dir we write
 
 __all__ = [
     "DTYPES",
@@ -420,24 +421,6 @@ def _eos_ids(model, tok) -> list[int]:
         elif value:
             ids.update(int(v) for v in value)
     return sorted(ids)
-
-
-def _swap_in(tmp: Path, dst: Path, tag: str) -> None:
-    """Rename `tmp` to `dst`; an existing `dst` is moved aside first and removed after."""
-    if not dst.exists():
-        os.replace(tmp, dst)
-        return
-    old = dst.with_name(f".{dst.name}.old-{tag}")
-    os.replace(dst, old)
-    try:
-        os.replace(tmp, dst)
-    except BaseException:
-        os.replace(old, dst)
-        raise
-    if old.is_dir():
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        old.unlink()
 
 
 # --------------------------------------------------------------------------- cache

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.factories import process_alive
+
 # the pytest-timeout default (300 s) would cut runs that pass their own 900 s hang guards
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,14 +128,6 @@ def test_bad_config_fails_before_anything_starts(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _children_of(pid: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
@@ -197,9 +191,9 @@ def test_killed_workers_are_restarted_and_nothing_is_lost(tmp_path):
             if wid.startswith("reward"):
                 assert children, "the reward worker had no scoring process to check"
                 deadline = time.monotonic() + 60  # hang guard: the kernel signals at once
-                while [c for c in children if _alive(c)] and time.monotonic() < deadline:
+                while [c for c in children if process_alive(c)] and time.monotonic() < deadline:
                     time.sleep(0.1)
-                orphans = [c for c in children if _alive(c)]
+                orphans = [c for c in children if process_alive(c)]
         _, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:

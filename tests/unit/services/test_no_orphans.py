@@ -15,6 +15,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from tests.factories import process_alive
+
 SCRIPT = textwrap.dedent(
     """
     import asyncio, json, os, sys, time
@@ -47,14 +49,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_killing_the_owner_kills_its_pool_and_sandboxes(tmp_path):
     root = Path(__file__).resolve().parents[3]
     proc = subprocess.Popen(
@@ -73,9 +67,9 @@ def test_killing_the_owner_kills_its_pool_and_sandboxes(tmp_path):
         proc.wait()
         everyone = pids["pool"] + pids["sandboxes"]
         deadline = time.monotonic() + 60  # generous: the kernel delivers at once
-        while any(_alive(p) for p in everyone) and time.monotonic() < deadline:
+        while any(process_alive(p) for p in everyone) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert [p for p in everyone if _alive(p)] == []
+        assert [p for p in everyone if process_alive(p)] == []
     finally:
         if proc.poll() is None:
             proc.kill()
