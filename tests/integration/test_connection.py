@@ -92,4 +92,5 @@ async def test_first_connect_gives_up_in_time_naming_the_url(logs: Recorder):
     t0 = time.monotonic()
     with pytest.raises(ConnectionError, match=f"cannot connect to NATS at {url}: no answer"):
         await connect(url, "hopeful", patience=Patience(first_connect_s=1.0))
-    assert time.monotonic() - t0 < 1.0 + 5.0  # patience + at most one connect_timeout_s
+    # patience + at most one connect_timeout_s, with room for a loaded machine (a hang guard)
+    assert time.monotonic() - t0 < 4 * (1.0 + 5.0)

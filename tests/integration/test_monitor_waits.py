@@ -24,7 +24,9 @@ from schemas.state import TrainerState
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
-BOUND_S = 15.0  # the bound for a dead address
+# a dead address must fail in seconds, not hang: the message names the patience used (a few
+# seconds), and the wall-clock bound is a generous guard that a loaded machine still meets
+BOUND_S = 60.0
 HANG_GUARD_S = 120.0
 
 
@@ -49,6 +51,8 @@ def assert_fails_fast(result: tuple[int, str, float], url: str) -> None:
     rc, err, elapsed = result
     assert rc == 2, err
     assert f"error: cannot connect to NATS at {url}: no answer within" in err, err
+    patience_s = float(err.split("no answer within ", 1)[1].split(" s", 1)[0])
+    assert patience_s <= 10, err  # the wait itself is seconds, whatever the machine's load
     assert "is the run still running?" in err, err  # names the likely cause and the fix
     assert elapsed < BOUND_S, (elapsed, err)
 
