@@ -1,13 +1,20 @@
 """Shared fixtures: a real nats-server per test session (free port, temp store dir, stopped by
-its own PID), and a fresh run id per test so streams never collide."""
+its own PID), and a fresh run id per test so streams never collide.
+
+Hypothesis runs without its per-example deadline: on a loaded machine (a busy laptop, CI beside
+other jobs) one example can take seconds, and no wall-clock limit may decide a test."""
 
 from __future__ import annotations
 
 import uuid
 
 import pytest
+from hypothesis import settings
 
 from areal.bus.embedded import EmbeddedNats
+
+settings.register_profile("areal", deadline=None)
+settings.load_profile("areal")
 
 
 @pytest.fixture(scope="session")
