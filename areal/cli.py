@@ -1,4 +1,5 @@
-"""`areal`: run | worker | tap | top | plot | metrics-exporter | schema | model import.
+"""`areal`: run | worker | tap | top | plot | metrics-exporter | schema | model import |
+nats-config.
 
 Heavy imports (torch, transformers) happen inside the subcommands so `--help` and config
 errors come back at once.
@@ -116,6 +117,88 @@ def cmd_model_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_nats_config(args: argparse.Namespace) -> int:
+    from areal.bus.nats_config import ServerTLS, describe, write_server_config
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("areal nats-config: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    tls = (
+        ServerTLS(args.tls_cert, args.tls_key, args.tls_ca, verify=args.tls_verify)
+        if args.tls_cert
+        else None
+    )
+    try:
+        conf, accounts = write_server_config(
+            args.out,
+            args.runs,
+            listen=args.listen,
+            store_dir=args.store_dir,
+            max_file_store_bytes=args.max_file_store,
+            tls=tls,
+            rotate=args.rotate,
+        )
+    except ValueError as e:
+        print(f"areal nats-config: {e}", file=sys.stderr)
+        return 2
+    if args.show:
+        print(describe(accounts))
+    out = conf.parent
+    several = len(set(args.runs)) > 1
+    where = f"{out}/<run>/<role>.json" if several else f"{out}/<role>.json"
+    print(
+        f"wrote {conf} (0600) and one credentials file per role: {where} (0600)\n"
+        f"start the server: nats-server -c {conf}\n"
+        f"workers: areal worker ROLE --nats-url URL --credentials {where.replace('<role>', 'ROLE')}"
+        f"\n   (or --set nats.credentials_dir={out if not several else where.rsplit('/', 1)[0]})"
+        f"\nmonitors: areal top --nats-url URL --credentials "
+        f"{where.replace('<role>', 'monitor')}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def add_nats_config_command(sub) -> None:
+    """`areal nats-config --run ID --out DIR`: a least-privilege server config (one user per
+    role; `areal.bus.nats_config`)."""
+    n = sub.add_parser(
+        "nats-config",
+        help="write a nats-server config with one user per role (controller, trainer, rollout, "
+        "reward, monitor, launcher), each allowed only its role's subjects, and their "
+        "credentials files",
+    )
+    n.add_argument(
+        "--run",
+        dest="runs",
+        action="append",
+        required=True,
+        metavar="RUN_ID",
+        help="run id the accounts are for (repeat for several; '*' = every run, coarser: see "
+        "README 'Security: accounts')",
+    )
+    n.add_argument("--out", required=True, help="dir for nats-server.conf and <role>.json files")
+    n.add_argument(
+        "--listen", default="127.0.0.1:4222", metavar="HOST:PORT", help="default 127.0.0.1:4222"
+    )
+    n.add_argument("--store-dir", help="JetStream store dir (default: OUT/jetstream)")
+    n.add_argument(
+        "--max-file-store", type=int, metavar="BYTES", help="JetStream file storage limit"
+    )
+    n.add_argument("--tls-cert", metavar="PEM", help="server certificate (enables TLS)")
+    n.add_argument("--tls-key", metavar="PEM", help="its private key")
+    n.add_argument("--tls-ca", metavar="PEM", help="CA of client certificates")
+    n.add_argument(
+        "--tls-verify", action="store_true", help="require client certificates (mutual TLS)"
+    )
+    n.add_argument(
+        "--rotate",
+        action="store_true",
+        help="new passwords for every account (default: keep those of the files in OUT)",
+    )
+    n.add_argument("--show", action="store_true", help="print every account's permissions")
+    n.set_defaults(fn=cmd_nats_config)
+
+
 def add_model_commands(sub) -> None:
     """`areal model import SRC --out DIR`: a GGUF / HF checkpoint as a plain HF model dir."""
     m = sub.add_parser("model", help="model tools (import a GGUF file or HF checkpoint)")
@@ -191,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_schema)
 
     add_model_commands(sub)
+    add_nats_config_command(sub)
 
     try:
         from areal.monitor.cli import add_monitor_commands

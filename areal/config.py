@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import difflib
+import math
 import os
 import re
 import socket
@@ -43,9 +44,26 @@ class _Part(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _server_list(v: Any) -> Any:
+    """`nats.url` given as a list of servers (YAML): the comma-separated form."""
+    if isinstance(v, list | tuple):
+        return ",".join(str(u).strip() for u in v)
+    return v
+
+
 class NatsSettings(_Part):
-    url: str | None = Field(
-        None, description="NATS server URL; None starts an embedded nats-server (areal run only)"
+    url: Annotated[str | None, BeforeValidator(_server_list)] = Field(
+        None,
+        description="NATS server URL, or several of one cluster comma-separated "
+        "(nats://a:4222,nats://b:4222,nats://c:4222: a client fails over between them); None "
+        "starts an embedded nats-server (areal run only). A YAML list is taken too",
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description="copies JetStream keeps of every stream, consumer and bucket of a run (a "
+        "cluster of 3 servers with replicas=3 survives one server's death); 1 on a single server",
     )
     ack_wait_s: float = Field(
         30.0, gt=1, description="JetStream ack wait (s); leases heartbeat at 1/3"
@@ -105,13 +123,42 @@ class NatsSettings(_Part):
         "127.0.0.1",
         min_length=1,
         description="address the embedded nats-server (areal run without nats.url) listens on; "
-        "0.0.0.0 lets workers on other hosts join (`areal worker ROLE --join RUN_ID`). WARNING: "
-        "the embedded server has no authentication or TLS: anyone who reaches this address "
-        "can read, write and delete every run on it; open it only on a trusted network",
+        "0.0.0.0 lets workers on other hosts join (`areal worker ROLE --join RUN_ID`, with "
+        "their role's credentials file from <out>/keys/nats/). The embedded server has one "
+        "account per role (nats.embedded_auth) but no TLS: passwords and messages cross the "
+        "network in clear; open it only on a trusted network",
     )
     listen_port: int | None = Field(
         None, ge=1, le=65535, description="port of the embedded nats-server; None = a free port"
     )
+    embedded_auth: bool = Field(
+        True,
+        description="the embedded nats-server gets one user per role with only that role's "
+        "permissions (`areal nats-config`), its credentials in <out>/keys/nats/<role>.json "
+        "(0600; kept by --resume); false = no authentication: anyone who reaches "
+        "nats.listen_host may read, write and delete every run on the server",
+    )
+    credentials_file: str | None = Field(
+        None,
+        description="credentials this process connects with: a JSON file written by `areal "
+        "nats-config` or `areal run` (<out>/keys/nats/<role>.json), or a NATS .creds file; "
+        "wins over nats.credentials_dir; None = none (or the URL's user:password)",
+    )
+    credentials_dir: str | None = Field(
+        None,
+        description="dir of per-role credentials files (<role>.json, as `areal nats-config "
+        "--out DIR` writes them): each worker uses its own role's file; `areal run` sets it "
+        "to <out>/keys/nats for its embedded server",
+    )
+    tls_ca_file: str | None = Field(
+        None,
+        description="CA certificate (PEM) the client trusts for the server's TLS; None = "
+        "the system's CAs (a tls:// URL) or no TLS",
+    )
+    tls_cert_file: str | None = Field(
+        None, description="client certificate (PEM) for a server that verifies clients (mTLS)"
+    )
+    tls_key_file: str | None = Field(None, description="private key (PEM) of nats.tls_cert_file")
     share_max_bytes: int = Field(
         256 * 1024 * 1024,
         ge=0,
@@ -129,7 +176,31 @@ class WeightsSettings(_Part):
         "file: written under weights.dir (a filesystem every rollout worker sees)",
     )
     dir: str | None = Field(
-        None, description="weights dir for transport=file; None = <out_dir>/weights"
+        None,
+        description="weights dir for transport=file; None = <out_dir>/weights. Rollout "
+        "workers load file:// weights only from regular files under it (symlinks resolved)",
+    )
+
+    def file_dir(self, out_dir: str) -> str | None:
+        """The dir of file:// weights (transport=file), None for the object store."""
+        if self.transport != "file":
+            return None
+        return self.dir or f"{out_dir}/weights"
+
+
+class SecuritySettings(_Part):
+    keys_dir: str | None = Field(
+        None,
+        description="dir of the run's keys (areal.security.keys): the trainer's weights "
+        "signing key, its verify key, the message-id secret; None = <out_dir>/keys, created "
+        "by `areal run` before any worker starts and kept on --resume. A worker on another "
+        "host needs a copy without weights_signing.key (--set security.keys_dir=DIR)",
+    )
+    sign_weights: bool = Field(
+        True,
+        description="the trainer signs every weight announcement and rollout workers load only "
+        "announcements it signed; false = unsigned weights, trusted from anyone who can "
+        "publish on the bus (only for a bus no one else can write to; logged as a warning)",
     )
 
 
@@ -280,6 +351,22 @@ class RewardSettings(_Part):
     batch_size: int = Field(
         32, ge=1, description="samples scored per pool call (those waiting are batched)"
     )
+    range: tuple[float, float] | None = Field(
+        None,
+        description="[lo, hi]: the scores your scorer can give; a score outside it counts as a "
+        "scorer error (reward 0) and a reward outside it (plus the overlong penalty) is never "
+        "trained on. None: [0, 1] for the built-in scorers, any finite value for your own",
+    )
+
+    @model_validator(mode="after")
+    def _range_ordered(self) -> RewardSettings:
+        if self.range is not None:
+            lo, hi = self.range
+            if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
+                raise ValueError(
+                    f"reward.range {list(self.range)} must be finite [lo, hi], lo <= hi"
+                )
+        return self
 
 
 class TrainSettings(_Part):
@@ -338,6 +425,7 @@ class RunSettings(BaseSettings):
     nats: NatsSettings = Field(default_factory=NatsSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
     weights: WeightsSettings = Field(default_factory=WeightsSettings)
+    security: SecuritySettings = Field(default_factory=SecuritySettings)
     data: DataSettings = Field(default_factory=DataSettings)
     prompt: PromptSettings = Field(default_factory=PromptSettings)
     algo: AlgoSettings = Field(default_factory=AlgoSettings)
@@ -391,6 +479,21 @@ class RunSettings(BaseSettings):
         from areal.rewards.registry import default_reward_for
 
         return self.reward.fn or default_reward_for(self.data.source)
+
+    def score_range(self) -> tuple[float, float]:
+        """What the scorer may return (`reward.range`, or [0, 1] for a built-in scorer)."""
+        from areal.rewards.registry import BUILTIN_REWARDS
+
+        if self.reward.range is not None:
+            return self.reward.range
+        return (0.0, 1.0) if self.reward_fn_name() in BUILTIN_REWARDS else (-math.inf, math.inf)
+
+    def reward_range(self) -> tuple[float, float]:
+        """What a published reward may be: the score plus the overlong penalty, if any."""
+        lo, hi = self.score_range()
+        if self.rollout.overlong == "penalty":
+            lo -= self.rollout.overlong_penalty
+        return lo, hi
 
 
 class _YamlSource(PydanticBaseSettingsSource):
@@ -588,6 +691,28 @@ class MonitorSettings(BaseSettings):
         # alias here, below AREAL_NATS__URL, so `export NATS_URL=...` serves both tools.
         validation_alias=AliasChoices("AREAL_NATS__URL", "NATS_URL"),
         description="NATS server of the run (env AREAL_NATS__URL, else NATS_URL)",
+    )
+    credentials_file: str | None = Field(
+        None,
+        validation_alias=AliasChoices("AREAL_NATS__CREDENTIALS_FILE"),
+        description="the monitor's NATS credentials (env AREAL_NATS__CREDENTIALS_FILE): a "
+        "monitor.json of `areal nats-config`, a run dir of `areal run` (its "
+        "keys/nats/monitor.json), or a NATS .creds file; None = none",
+    )
+    tls_ca_file: str | None = Field(
+        None,
+        validation_alias=AliasChoices("AREAL_NATS__TLS_CA_FILE"),
+        description=NatsSettings.model_fields["tls_ca_file"].description,
+    )
+    tls_cert_file: str | None = Field(
+        None,
+        validation_alias=AliasChoices("AREAL_NATS__TLS_CERT_FILE"),
+        description=NatsSettings.model_fields["tls_cert_file"].description,
+    )
+    tls_key_file: str | None = Field(
+        None,
+        validation_alias=AliasChoices("AREAL_NATS__TLS_KEY_FILE"),
+        description=NatsSettings.model_fields["tls_key_file"].description,
     )
     log_level: LogLevelField = Field(
         "ERROR", description=LOG_LEVEL_HELP + "; ERROR here so that stdout stays data"

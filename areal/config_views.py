@@ -59,10 +59,12 @@ class RolloutView(_View):
     eval: EvalSettings
     reward_fn: str  # eval rounds are scored by the run's reward function...
     reward_timeout_s: float  # ...with its per-sample timeout
+    group_size: int  # G: a task must ask for this many samples
 
     @classmethod
     def of(cls, s: RunSettings) -> RolloutView:
         return cls(
+            group_size=s.algo.group_size,
             seed=s.seed,
             model=s.model,
             rollout=s.rollout,
@@ -78,10 +80,18 @@ class RewardView(_View):
     fn: str  # resolved: the configured scorer or the data source's default
     reward: RewardSettings
     rollout: RolloutSettings  # max_new_tokens and the overlong policy shape the reward
+    score_range: tuple[float, float]  # what the scorer may return
+    group_size: int  # G: what a sample's group must be
 
     @classmethod
     def of(cls, s: RunSettings) -> RewardView:
-        return cls(fn=s.reward_fn_name(), reward=s.reward, rollout=s.rollout)
+        return cls(
+            fn=s.reward_fn_name(),
+            reward=s.reward,
+            rollout=s.rollout,
+            score_range=s.score_range(),
+            group_size=s.algo.group_size,
+        )
 
 
 class TrainerView(_View):
@@ -93,10 +103,14 @@ class TrainerView(_View):
     train: TrainSettings
     temperature: float  # the rollout's sampling temperature (log-probs are taken under it)
     mask_overlong: bool  # rollout.overlong == "mask": cut samples are kept out of the loss
+    max_new_tokens: int  # a sample is at most this long
+    reward_range: tuple[float, float]  # what a published reward may be
 
     @classmethod
     def of(cls, s: RunSettings) -> TrainerView:
         return cls(
+            max_new_tokens=s.rollout.max_new_tokens,
+            reward_range=s.reward_range(),
             seed=s.seed,
             out_dir=s.out_dir,
             model=s.model,
@@ -110,6 +124,4 @@ class TrainerView(_View):
     @property
     def weights_dir(self) -> str | None:
         """Shared dir for `weights.transport: file`; None for the object store."""
-        if self.weights.transport != "file":
-            return None
-        return self.weights.dir or f"{self.out_dir}/weights"
+        return self.weights.file_dir(self.out_dir)

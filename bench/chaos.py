@@ -73,14 +73,26 @@ def steps_done(out: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-async def _bad_messages(url: str, run_id: str, rng: random.Random, n: int) -> None:
+# the role whose account may publish on each stage: the garbage comes from a buggy worker
+PUBLISHER = {"prompts": "controller", "trajectories": "rollout", "rewards": "reward"}
+
+
+async def _bad_messages(
+    url: str, run_id: str, rng: random.Random, n: int, keys: Path | None = None
+) -> None:
     import msgpack
     import nats
 
-    nc = await nats.connect(url)
-    js = nc.jetstream()
+    from areal.bus.auth import load_credentials
+
+    conns = {}
+    for stage, role in PUBLISHER.items():
+        creds = keys / f"{role}.json" if keys is not None else None
+        opts = load_credentials(creds).connect_options() if creds and creds.is_file() else {}
+        conns[stage] = await nats.connect(url, **opts)
     for _ in range(n):
         stage = rng.choice(("prompts", "trajectories", "rewards"))
+        js = conns[stage].jetstream()
         kind = rng.choice(("bytes", "wrong_type", "bad_version"))
         if kind == "bytes":
             data = rng.randbytes(rng.randint(1, 300))
@@ -90,11 +102,16 @@ async def _bad_messages(url: str, run_id: str, rng: random.Random, n: int) -> No
             data = msgpack.packb({"schema_version": 999})
         msg_id = f"chaos-bad-{rng.getrandbits(64):x}"
         await js.publish(f"areal.{run_id}.{stage}", data, headers={"Nats-Msg-Id": msg_id})
-    await nc.close()
+    for nc in conns.values():
+        await nc.close()
 
 
-def bad_messages(url: str, run_id: str, rng: random.Random, n: int = 10) -> None:
-    asyncio.run(_bad_messages(url, run_id, rng, n))
+def bad_messages(
+    url: str, run_id: str, rng: random.Random, n: int = 10, keys: Path | None = None
+) -> None:
+    """`n` garbage messages on random stages, each through the account of the role that may
+    publish there (`keys`: the run's `<out>/keys/nats`; None or absent: no credentials)."""
+    asyncio.run(_bad_messages(url, run_id, rng, n, keys))
 
 
 def server_url(out: Path) -> str:
@@ -151,7 +168,7 @@ def run_chaos(args: argparse.Namespace, out: Path) -> dict:
             subprocess.run(["chattr", "-i", str(ckpt)], capture_output=True)
             detail = f"{hold:.0f} s" if ok else "chattr unsupported"
         else:
-            bad_messages(server_url(out), run_id, rng)
+            bad_messages(server_url(out), run_id, rng, keys=out / "keys" / "nats")
             detail = "10 messages"
         # recovery: how long the run takes for 3 more steps from the fault (the freeze's hold
         # included); beyond 3 median steps it is time lost to the fault
@@ -200,7 +217,13 @@ def audit(out: Path, run: dict) -> dict:
     seqs = Counter(s for r in records for s in r.get("task_seqs", []))
     trained_twice = sum(1 for c in seqs.values() if c > 1)
     # every admitted task ends once: trained (in exactly one step record), dropped or filtered
-    lost = summary["admitted"] - len(seqs) - summary["dropped_stale"] - summary["filtered"]
+    lost = (
+        summary["admitted"]
+        - len(seqs)
+        - summary["dropped_stale"]
+        - summary["filtered"]
+        - summary.get("rejected", 0)
+    )
     logs = {p.name: p.read_text(errors="replace") for p in (out / "logs").glob("*.log")}
     launcher = out.with_name("launcher.log").read_text(errors="replace")
     restarts = launcher.count("worker_restarted")

@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, ClassVar
 
@@ -91,13 +92,19 @@ class Sample(Message):
     n_interrupts: int = Field(default=0, ge=0)
     n_reprefill_tokens: int = Field(default=0, ge=0)
     timings: dict[str, float] = Field(default_factory=dict)
+    rejected: str = Field(
+        "",
+        description="set on a rejection marker (no tokens): why a stage refused this task; the "
+        "trainer retires the task as `rejected` so the run's accounting stays exact",
+    )
 
     @property
     def sample_id(self) -> str:
         return sample_id(self.task_id, self.sample_idx)
 
     def msg_id(self) -> str:
-        return self.sample_id
+        # a rejection marker must never take the id of the sample it stands in for
+        return f"{self.task_id}/rejected" if self.rejected else self.sample_id
 
     def check_lengths(self) -> None:
         n = len(self.output_ids)
@@ -121,7 +128,7 @@ class ScoredSample(Message):
     reward_worker_id: str = ""
 
     def msg_id(self) -> str:
-        return self.sample.sample_id
+        return self.sample.msg_id()
 
     def check_lengths(self) -> None:
         self.sample.check_lengths()
@@ -136,9 +143,32 @@ class WeightAnnouncement(Message):
     dtype: str = "float32"
     step: int = Field(default=0, ge=0)
     published_at: float = Field(default_factory=time.time)
+    signature: str | None = Field(
+        None,
+        description="the trainer's Ed25519 signature (hex) of `signed_payload(run_id)`; readers "
+        "of a run with keys refuse an announcement without a valid one (areal.bus.run_weights)",
+    )
+
+    def signed_payload(self, run_id: str) -> bytes:
+        """The bytes the trainer signs: every field a reader acts on, bound to the run (an
+        announcement of one run never verifies in another). `published_at` is not signed."""
+        fields = {
+            "run_id": run_id,
+            "version": self.version,
+            "uri": self.uri,
+            "sha256": self.sha256,
+            "bytes": self.nbytes,
+            "dtype": self.dtype,
+            "step": self.step,
+        }
+        return b"areal-weights/1\n" + json.dumps(fields, sort_keys=True).encode()
 
     def msg_id(self) -> str:
-        return f"weights-v{self.version}"
+        # with the signature in it, the id cannot be predicted by anyone without the trainer's
+        # key, so a forged publish cannot take a version's id first and get the real one
+        # de-duplicated away; retries of one announcement sign the same bytes (same id)
+        sig = f"-{self.signature[:16]}" if self.signature else ""
+        return f"weights-v{self.version}{sig}"
 
 
 class MetricRecord(Message):
@@ -174,7 +204,8 @@ class DeadLetter(Message):
     stage: str
     reason: str
     subject: str
-    payload: bytes
+    payload: bytes = Field(description="the message as received, cut to a bounded size")
+    payload_bytes: int = Field(0, ge=0, description="the message's full size (bytes)")
     headers: dict[str, str] = Field(default_factory=dict)
     worker_id: str = ""
     time: float = Field(default_factory=time.time)

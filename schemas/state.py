@@ -6,7 +6,8 @@ Invariants:
   clear error and ignores unknown fields (like the wire messages);
 - `TrainerState.returned` (dropped + filtered groups) is what admission gives back: the
   controller admits while `admitted - returned + 1 <= (version + η + 1) * B`;
-- accounting: `admitted = trained + dropped_stale + filtered + in_flight` (`Accounting`).
+- accounting: `admitted = trained + dropped_stale + filtered + rejected + in_flight`
+  (`Accounting`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class TrainerState(_State):
     trained: int = Field(0, ge=0, description="groups trained on")
     dropped_stale: int = Field(0, ge=0, description="groups dropped by the intake check")
     filtered: int = Field(0, ge=0, description="groups filtered (e.g. zero advantage)")
+    rejected: int = Field(
+        0, ge=0, description="tasks retired because a message of theirs failed validation"
+    )
+    skipped_steps: int = Field(
+        0, ge=0, description="steps whose loss or gradient was not finite (nothing applied)"
+    )
     samples: int = Field(0, ge=0, description="samples trained on")
     tokens: int = Field(0, ge=0, description="generated tokens trained on")
     wall_s: float = Field(0.0, ge=0, description="trainer wall time so far (s)")
@@ -52,8 +59,8 @@ class TrainerState(_State):
 
     @property
     def returned(self) -> int:
-        """Groups that gave their admission slot back (dropped or filtered)."""
-        return self.dropped_stale + self.filtered
+        """Groups that gave their admission slot back (dropped, filtered or rejected)."""
+        return self.dropped_stale + self.filtered + self.rejected
 
 
 class CheckpointState(_State):
@@ -66,16 +73,18 @@ class CheckpointState(_State):
 
 
 class Accounting(BaseModel):
-    """Where every admitted task is: `admitted = trained + dropped_stale + filtered + in_flight`."""
+    """Where every admitted task is:
+    `admitted = trained + dropped_stale + filtered + rejected + in_flight`."""
 
     admitted: int
     trained: int
     dropped_stale: int
     filtered: int
+    rejected: int = 0
 
     @property
     def in_flight(self) -> int:
-        return self.admitted - self.trained - self.dropped_stale - self.filtered
+        return self.admitted - self.trained - self.dropped_stale - self.filtered - self.rejected
 
 
 class BatchInfo(BaseModel):
@@ -116,6 +125,7 @@ class StepRecord(BatchInfo):
     wall_s: float
     dropped_stale: int
     filtered: int
+    rejected: int = 0
     admitted: int
     outstanding: int = Field(description="admitted - returned: what admission counts")
     train_s: float
@@ -137,7 +147,9 @@ class RunSummary(BaseModel):
     trained: int
     dropped_stale: int
     filtered: int
-    in_flight: int = Field(description="admitted - trained - dropped_stale - filtered")
+    rejected: int = Field(0, description="tasks retired because a message failed validation")
+    in_flight: int = Field(description="admitted - trained - dropped_stale - filtered - rejected")
+    skipped_steps: int = Field(0, description="steps refused for a non-finite loss or gradient")
     dlq: int = Field(description="messages in the run's dead-letter stream")
     steps: int
     final_version: int
@@ -150,8 +162,10 @@ class RunSummary(BaseModel):
 
 
 def eval_claim_key(rnd: int) -> str:
-    """KV key of evaluation round `rnd` (created once, by the replica that runs the round)."""
-    return f"eval-r{rnd}"
+    """KV key of evaluation round `rnd` (created once, by the replica that runs the round).
+    Dotted (`eval.r<N>`): the KV subject `$KV.<bucket>.eval.r<N>` is then one that a server
+    permission can grant the rollout role alone (`$KV.<bucket>.eval.>`)."""
+    return f"eval.r{rnd}"
 
 
 class EvalClaim(_State):

@@ -30,6 +30,11 @@ def build(view: RewardView, bus: Bus) -> RewardService:
     shaping = None
     if ro.overlong == "penalty":
         shaping = OverlongShaping(ro.max_new_tokens, ro.overlong_buffer, ro.overlong_penalty)
+    from areal.core.validate import Bounds
+
+    bounds = Bounds(
+        run_id=bus.names.run_id, group_size=view.group_size, max_new_tokens=ro.max_new_tokens
+    )
     return RewardService(
         bus,
         view.fn,
@@ -37,6 +42,8 @@ def build(view: RewardView, bus: Bus) -> RewardService:
         pool_workers=r.pool_workers,
         batch_size=r.batch_size,
         overlong=shaping,
+        bounds=bounds,
+        score_range=view.score_range,
     )
 
 

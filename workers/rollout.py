@@ -97,11 +97,13 @@ def _eval_plan(view: RolloutView, tok: Any, params: Any) -> Any:
 
 def build(parts: RolloutParts, bus: Bus) -> RolloutService:
     from areal.core.scheduling import SchedulerPolicy
+    from areal.core.validate import Bounds
     from areal.engines.torch_infer import weights_from_safetensors
     from areal.services.evaluation import Evaluator
     from areal.services.rollout import RolloutService
 
-    r = parts.view.rollout
+    v = parts.view
+    r = v.rollout
     return RolloutService(
         bus,
         parts.engine,
@@ -113,6 +115,12 @@ def build(parts: RolloutParts, bus: Bus) -> RolloutService:
         max_concurrent_tasks=r.max_concurrent_tasks,
         weights_from_bytes=weights_from_safetensors,
         evaluator=Evaluator(parts.eval_plan) if parts.eval_plan is not None else None,
+        bounds=Bounds.with_model(
+            parts.engine,
+            run_id=bus.names.run_id,
+            group_size=v.group_size,
+            max_new_tokens=r.max_new_tokens,
+        ),
     )
 
 

@@ -63,6 +63,7 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService:
     from pathlib import Path
 
     from areal.core.intake import IntakePolicy
+    from areal.core.validate import Bounds
     from areal.services.trainer import TrainerOptions, TrainerService
 
     v = parts.view
@@ -83,6 +84,13 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService:
         weights_dtype=v.model.dtype,
         weights_dir=v.weights_dir,
         mask_overlong=v.mask_overlong,
+        bounds=Bounds.with_model(
+            parts.engine,
+            run_id=bus.names.run_id,
+            group_size=a.group_size,
+            max_new_tokens=v.max_new_tokens,
+            reward_range=v.reward_range,
+        ),
     )
     return TrainerService(bus, parts.engine, opts, Path(v.out_dir))
 

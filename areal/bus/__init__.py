@@ -3,6 +3,20 @@
 Importing `areal.bus` itself is cheap (errors only); import `areal.bus.client` for the `Bus`.
 """
 
-from areal.bus.errors import BusUnavailable, MessageTooLarge, RunConflictError, StateDecodeError
+from areal.bus.errors import (
+    AuthenticationFailed,
+    BusUnavailable,
+    MessageTooLarge,
+    PermissionDenied,
+    RunConflictError,
+    StateDecodeError,
+)
 
-__all__ = ["BusUnavailable", "MessageTooLarge", "RunConflictError", "StateDecodeError"]
+__all__ = [
+    "AuthenticationFailed",
+    "BusUnavailable",
+    "MessageTooLarge",
+    "PermissionDenied",
+    "RunConflictError",
+    "StateDecodeError",
+]

@@ -1,8 +1,9 @@
 """The Bus: the one object services use to talk to NATS JetStream for one run.
 
 Invariants:
-- every JetStream publish carries `Nats-Msg-Id` = the message's deterministic id, and is retried
-  with the same id when the ack times out (the server de-duplicates);
+- every JetStream publish carries `Nats-Msg-Id` = the message's deterministic id (keyed with the
+  run's `ids_secret` when the bus holds the run's keys: `keyed_id`), and is retried with the
+  same id when the ack times out (the server de-duplicates);
 - a publish or run-state read/write rides through a server outage (restart, reconnect, leader
   election): it is retried with backoff for up to `nats.outage_tolerance_s`, then raises
   `BusUnavailable` with the reason (never a bare timeout mistaken for something else);
@@ -13,24 +14,34 @@ Invariants:
 - the bus is sealed: its nats connection and JetStream context are private; callers get typed
   methods (publish/consume, run state, weights, events, stream depth) and never a nats object;
 - a failure is raised, never turned into a normal answer (`latest_weights` is None only when
-  nothing was announced; `kv_get` is None only when the key has no value).
+  nothing trusted was announced; `kv_get` is None only when the key has no value);
+- with the run's keys, weights are signed by the trainer and trusted only when the signature
+  verifies, checked before any byte is fetched (`areal.bus.run_weights`);
+- the bus connects with its role's credentials (`areal.bus.auth`); what the server refuses the
+  account (`areal.bus.nats_config`) raises `PermissionDenied` naming the subject, at once for
+  a publish and at the request's timeout for a run-state write or a declaration: never
+  retried as an outage.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import nats.errors
+import nats.js.errors
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import BadRequestError
 from pydantic import BaseModel
 
+from areal.bus.auth import NO_CREDENTIALS, Credentials, Denials, credentials_for
 from areal.bus.codec import DecodeError, decode, encode
 from areal.bus.connection import connect
 from areal.bus.embedded import MAX_PAYLOAD_BYTES
@@ -46,8 +57,9 @@ from areal.bus.jetstream import PublishAcks, PullInbox
 from areal.bus.kv import KVWatch, RunStateKV
 from areal.bus.lease import Lease
 from areal.bus.run_weights import RunWeights
-from areal.bus.streams import declare_run
+from areal.bus.streams import declare_run, run_declared
 from areal.config import NatsSettings
+from areal.security.keys import RunKeys
 from schemas import DeadLetter, Event, Message, MetricRecord, WeightAnnouncement
 from schemas import subjects as S
 from schemas.subjects import RunNames
@@ -56,10 +68,15 @@ log = structlog.get_logger()
 M = TypeVar("M", bound=Message)
 T_ = TypeVar("T_")
 # Errors of a server that is restarting, unreachable or electing a leader: retried. (A closed
-# connection is not among them: workers reconnect forever, so it was closed on purpose.)
+# connection is not among them: workers reconnect forever, so it was closed on purpose.) Seen
+# in a 3-node cluster after a SIGKILL of a stream's leader, for ~5 s until the election ends
+# (tests/e2e/test_cluster.py): our publish gets no responders, nats-py's `js.publish` (KV
+# puts, object-store chunks) `NoStreamResponseError`, other JetStream API calls and
+# object-store puts/gets time out.
 TRANSIENT_ERRORS = (
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
     nats.errors.ConnectionReconnectingError,
     nats.errors.StaleConnectionError,
     asyncio.TimeoutError,
@@ -69,6 +86,9 @@ T = TypeVar("T", bound=BaseModel)
 __all__ = ["Bus", "BusSubscription", "EventSubscription", "KVWatch", "Lease", "MessageTooLarge"]
 
 
+RETRY_MAX_DELAY_S = 1.0  # most seconds between two tries of an op riding through an outage
+DLQ_PAYLOAD_MAX = 64 * 1024  # bytes of a dead message kept in its dead letter
+DLQ_REASON_MAX = 4096  # characters of the reason kept
 PULL_BATCH_CAP = 256  # most messages one pull request asks for
 PULL_MAX_BYTES = 2 * MAX_PAYLOAD_BYTES  # most bytes one pull request delivers (>= a message)
 
@@ -98,8 +118,16 @@ class Bus:
         worker_id: str,
         nats: NatsSettings | None = None,
         url: str | None = None,
+        *,
+        keys: RunKeys | None = None,
+        sign_weights: bool = True,
+        weights_dir: str | None = None,
+        credentials: Credentials = NO_CREDENTIALS,
+        denials: Denials | None = None,
     ) -> None:
         self._nc, self._js = nc, nc.jetstream()
+        self._denials = denials or Denials()  # what the server refused this connection
+        self.keys = keys  # the run's keys (`areal.security.keys`): ids_secret, weights keys
         self.url = url or nc.connected_url.geturl()
         self.names = RunNames(run_id)
         self.role, self.worker_id = role, worker_id
@@ -108,6 +136,9 @@ class Bus:
         self._tasks: set[asyncio.Task] = set()
         self._heartbeat_task: asyncio.Task | None = None
         self._acks = PublishAcks(nc)
+        self._denials.listen(
+            lambda op, subject: self._acks.deny(subject, lambda s: self._denials.error(s, op))
+        )
         self._state: RunStateKV | None = None  # bound on first use
         self._weights = RunWeights(
             self._js,
@@ -116,6 +147,9 @@ class Bus:
             client_name=f"areal-{self.names.run_id}-{worker_id}-weights",
             weights_keep=self.settings.weights_keep,
             announce=lambda ann: self.publish(S.WEIGHTS, ann),
+            keys=keys if sign_weights else None,
+            file_root=weights_dir,
+            credentials=credentials,
         )
 
     @classmethod
@@ -127,12 +161,45 @@ class Bus:
         worker_id: str,
         nats: NatsSettings | None = None,
         declare: bool = True,
+        *,
+        keys: RunKeys | None = None,
+        sign_weights: bool = True,
+        weights_dir: str | None = None,
+        credentials: Credentials | None = None,
     ) -> Bus:
         """Connect and (with `declare`) declare the run's streams; raises `RunConflictError`
-        when a stream with the run's name belongs to something else (nothing is modified)."""
+        when a stream with the run's name belongs to something else (nothing is modified).
+
+        Credentials: `credentials`, else those `nats` names for `role` (`credentials_for`:
+        `nats.credentials_file`, or `<nats.credentials_dir>/<role>.json`); a server that
+        refuses them raises `AuthenticationFailed`. Only roles allowed to create the run's
+        streams may `declare` on a server with per-role accounts (`nats_config.DECLARERS`);
+        the others connect with `declare=False` and `wait_declared`.
+
+        Weights: with `keys` (and `sign_weights`) the bus signs what it announces (with the
+        trainer's signing key) and trusts only announcements that verify; without keys, or
+        with `sign_weights=False`, nothing is signed or verified. `file://` weights are read
+        only from under `weights_dir` (None: none)."""
         names = RunNames(run_id)  # an invalid run id fails before connecting
-        nc = await connect(url, f"areal-{names.run_id}-{worker_id}")
-        bus = cls(nc, run_id, role, worker_id, nats, url=url)
+        if credentials is None:
+            credentials = credentials_for(nats or NatsSettings(), role)
+        denials = Denials()
+        nc = await connect(
+            url, f"areal-{names.run_id}-{worker_id}", credentials=credentials, denials=denials
+        )
+        bus = cls(
+            nc,
+            run_id,
+            role,
+            worker_id,
+            nats,
+            url=url,
+            keys=keys,
+            sign_weights=sign_weights,
+            weights_dir=weights_dir,
+            credentials=credentials,
+            denials=denials,
+        )
         try:
             await bus._acks.start()
             if declare:
@@ -146,11 +213,41 @@ class Bus:
     async def declare(self) -> None:
         try:
             await declare_run(self._js, self.names, self.settings)
+        except nats.errors.TimeoutError:
+            if self._denials.any():  # a refused API call gets no answer: say which, not "timeout"
+                raise self._denials.error(self._denials.last()) from None
+            raise
         except BadRequestError as e:
             raise RuntimeError(
                 f"run {self.names.run_id}: JetStream refused the stream/consumer layout ({e}); "
                 "a run id is reused with different settings: choose a new run id"
             ) from e
+
+    async def wait_declared(self, stop: asyncio.Event, report_s: float = 30.0) -> bool:
+        """Wait until the run's streams and buckets exist (declared by its controller or
+        trainer: `declare`); True once they do, False when `stop` was set first. Logs
+        `waiting_for_run` at once and every `report_s` seconds, so a wait is never silent."""
+        loop = asyncio.get_running_loop()
+        t0, next_report = loop.time(), loop.time()
+        while not stop.is_set():
+            if await self._through_outage(
+                lambda: run_declared(self._js, self.names),
+                "looking up the run's streams",
+                f"$JS.API.STREAM.INFO.OBJ_{self.names.weights_bucket}",
+            ):
+                return True
+            if loop.time() >= next_report:
+                next_report = loop.time() + report_s
+                log.info(
+                    "waiting_for_run",
+                    reason="its streams do not exist yet: the run's controller or trainer "
+                    "declares them",
+                    run_id=self.names.run_id,
+                    waited_s=round(loop.time() - t0),
+                )
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+        return False
 
     @property
     def max_payload(self) -> int:
@@ -194,7 +291,19 @@ class Bus:
     ) -> None:
         """JetStream publish with de-duplication id; retries on ack timeout with the same id."""
         data = encode(msg)
-        await self.publish_raw(self.names.subject(stream, *rest), data, msg_id or msg.msg_id())
+        await self.publish_raw(
+            self.names.subject(stream, *rest), data, self.keyed_id(msg_id or msg.msg_id())
+        )
+
+    def keyed_id(self, msg_id: str) -> str:
+        """`msg_id` made unguessable with the run's `ids_secret` (when this bus holds keys):
+        deterministic for the run, so a republish is still de-duplicated, but no one without
+        the secret can publish first under the id of a real message to come and have the
+        server drop the real one as a duplicate. The natural id stays readable in front."""
+        if self.keys is None:
+            return msg_id
+        tag = hmac.new(self.keys.ids_secret, msg_id.encode(), hashlib.sha256).hexdigest()[:16]
+        return f"{msg_id}#{tag}"
 
     async def publish_raw(self, subject: str, data: bytes, msg_id: str | None = None) -> None:
         if len(data) > self._nc.max_payload:
@@ -211,10 +320,14 @@ class Bus:
             lambda: self._acks.publish(subject, data, headers, timeout_s), f"publish to {subject}"
         )
 
-    async def _through_outage(self, op: Callable[[], Awaitable[T_]], what: str) -> T_:
+    async def _through_outage(
+        self, op: Callable[[], Awaitable[T_]], what: str, subject: str | None = None
+    ) -> T_:
         """`op()`, retried with backoff while the server is unreachable (a restart, a
         reconnect, a leader election), for up to `nats.outage_tolerance_s`; then a
-        `BusUnavailable` naming `what`. `op` must be safe to repeat."""
+        `BusUnavailable` naming `what`. `op` must be safe to repeat. A timeout after the
+        server refused this account `subject` (what `op` publishes to) is no outage: it
+        raises `PermissionDenied` at once."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.outage_tolerance_s
         delay, attempt = 0.2, 0
@@ -222,6 +335,8 @@ class Bus:
             try:
                 result = await op()
             except TRANSIENT_ERRORS as e:
+                if subject is not None and self._denials.denied(subject):
+                    raise self._denials.error(subject) from None
                 attempt += 1
                 if loop.time() + delay > deadline:
                     raise BusUnavailable(
@@ -232,7 +347,9 @@ class Bus:
                 if attempt == 1 or attempt % 10 == 0:
                     log.warning("bus_retry", what=what, attempt=attempt, error=type(e).__name__)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                # at most 1 s between tries: an election (~5 s in a cluster) or a restart
+                # ends, and the op goes through within a second of it
+                delay = min(delay * 2, RETRY_MAX_DELAY_S)
                 continue
             if attempt:
                 log.info("bus_recovered", what=what, attempts=attempt)
@@ -247,15 +364,23 @@ class Bus:
         await self.publish(S.EVENTS, ev, type_)
 
     async def dead_letter(self, stage: str, msg: Msg, reason: str) -> None:
+        """Publish `msg` to `dlq.<stage>` with `reason`, bounded in size: the reason, subject
+        and headers are cut to a few KiB and the payload to `DLQ_PAYLOAD_MAX` (or a quarter of
+        the server's max_payload), with its full length kept, so a dead letter always fits
+        where its message did."""
+        cap = min(DLQ_PAYLOAD_MAX, self._nc.max_payload // 4)
+        data = msg.data or b""
+        headers = {k[:128]: str(v)[:512] for k, v in list((msg.headers or {}).items())[:16]}
         dl = DeadLetter(
             stage=stage,
-            reason=reason,
-            subject=msg.subject,
-            payload=msg.data,
-            headers=dict(msg.headers or {}),
+            reason=reason[:DLQ_REASON_MAX],
+            subject=msg.subject[:512],
+            payload=data[:cap],
+            payload_bytes=len(data),
+            headers=headers,
             worker_id=self.worker_id,
         )
-        log.warning("dead_lettered", stage=stage, reason=reason[:300], subject=msg.subject)
+        log.warning("dead_lettered", stage=stage, reason=reason[:300], subject=msg.subject[:200])
         await self.publish(S.DLQ, dl, stage)
 
     # ---------------------------------------------------------------- consuming
@@ -368,7 +493,9 @@ class Bus:
 
     async def kv_put(self, key: str, value: BaseModel) -> None:
         state = await self._run_state()
-        await self._through_outage(lambda: state.put(key, value), f"writing {key!r}")
+        await self._through_outage(
+            lambda: state.put(key, value), f"writing {key!r}", f"$KV.{state.bucket}.{key}"
+        )
 
     async def kv_claim(self, key: str, value: BaseModel) -> bool:
         """Create `key` with `value` if it does not exist yet: True for exactly one caller
@@ -376,11 +503,15 @@ class Bus:
         was lost in an outage is retried, and then reads as taken: the claim may go to no one,
         never to two."""
         state = await self._run_state()
-        return await self._through_outage(lambda: state.create(key, value), f"claiming {key!r}")
+        return await self._through_outage(
+            lambda: state.create(key, value), f"claiming {key!r}", f"$KV.{state.bucket}.{key}"
+        )
 
     async def kv_watch(self, key: str) -> KVWatch:
-        """Changes of `key` from now on (`KVWatch.wait`); create it before reading the key."""
-        return await (await self._run_state()).watch(key)
+        """Changes of `key` from now on (`KVWatch.wait`); create it before reading the key.
+        Rides through a server outage (`_through_outage`)."""
+        state = await self._run_state()
+        return await self._through_outage(lambda: state.watch(key), f"watching {key!r}")
 
     # ---------------------------------------------------------------- weights (`run_weights`)
     async def put_weights(
@@ -393,20 +524,31 @@ class Bus:
             f"storing weights v{version}",
         )
 
+    def weights_rejection(self, ann: WeightAnnouncement) -> str | None:
+        """Why `ann` is not to be trusted (unsigned, bad signature; logged), None to trust it."""
+        return self._weights.rejection(ann)
+
     async def get_weights(self, ann: WeightAnnouncement) -> bytes:
-        """Fetch the announced weights and verify their digest (`RunWeights.get`)."""
-        return await self._weights.get(ann)
+        """Fetch the announced weights (`RunWeights.get`): signature checked before any byte
+        is read, at most the announced size read, digest verified; `WeightsRejected` if not.
+        Rides through a server outage (`_through_outage`: a read, safe to repeat)."""
+        return await self._through_outage(
+            lambda: self._weights.get(ann), f"fetching weights v{ann.version}"
+        )
 
     async def subscribe_weights(
         self, cb: Callable[[WeightAnnouncement], Awaitable[None]]
     ) -> BusSubscription:
-        """Deliver the latest announcement now and every later one (ordered consumer)."""
+        """Deliver the latest trusted announcement now and every later trusted one (ordered
+        consumer); untrusted ones are logged (`weights_rejected`) and never delivered."""
         return await self._weights.subscribe(cb)
 
     async def latest_weights(self) -> WeightAnnouncement | None:
-        """The newest announcement; None ONLY when the run has announced no weights yet. Any
-        other failure raises: a restoring trainer must not take it for "no weights"."""
-        return await self._weights.latest()
+        """The trusted announcement of the highest version the weights stream holds; None ONLY
+        when it holds none (nothing announced yet, or nothing the trainer signed). Any other
+        failure raises: a restoring trainer must not take it for "no weights". Rides through a
+        server outage (`_through_outage`)."""
+        return await self._through_outage(self._weights.latest, "reading the latest weights")
 
     # ---------------------------------------------------------------- lifecycle
     async def close(self, nak_unsettled: bool = True) -> None:

@@ -12,7 +12,14 @@ Invariants:
 - with `Patience.first_connect_s` set, `connect` returns or raises `ConnectionError` within
   that many seconds (plus at most one `connect_timeout_s` of the attempt under way);
 - with `Patience.reconnect_s` set, a connection that stays disconnected that long is closed and
-  `on_lost(reason)` is called exactly once; a reconnect in time cancels the countdown.
+  `on_lost(reason)` is called exactly once; a reconnect in time cancels the countdown;
+- `url` may name several servers of one cluster, comma-separated (`server_urls`): the client
+  connects to one of them and, when it dies, reconnects to another (nats-py also learns the
+  cluster's other servers from the one it reaches);
+- credentials and TLS come in one place, `credentials` (`areal.bus.auth`); a server that refuses
+  them on the first connection raises `AuthenticationFailed` at once (naming the account and
+  `auth_hint`), never a silent retry; permission violations are logged with the subject and
+  reported to `denials`.
 """
 
 from __future__ import annotations
@@ -25,11 +32,25 @@ from dataclasses import dataclass
 import structlog
 from nats.aio.client import Client
 
+from areal.bus.auth import (
+    NO_CREDENTIALS,
+    Credentials,
+    Denials,
+    is_authorization_violation,
+    permission_violation,
+)
+from areal.bus.errors import AuthenticationFailed
+
 log = structlog.get_logger()
 
 _SERVER_HINT = (
     "start a server with JetStream enabled, e.g. `nats-server -js`, or omit the URL to use the "
     "embedded one"
+)
+AUTH_HINT = (
+    "pass this role's credentials file (nats.credentials_file, or nats.credentials_dir holding "
+    "<role>.json): `areal run` writes one per role in <out>/keys/nats/, `areal nats-config` "
+    "for a server of your own"
 )
 
 
@@ -44,6 +65,15 @@ class Patience:
 FOREVER = Patience()
 
 
+def server_urls(url: str) -> list[str]:
+    """The server URLs of `url`: one, or several of one cluster comma-separated
+    (`nats.url`); the client connects to one and fails over to the others."""
+    urls = [u.strip() for u in url.split(",") if u.strip()]
+    if not urls:
+        raise ValueError(f"no NATS server URL in {url!r}")
+    return urls
+
+
 async def connect(
     url: str,
     name: str,
@@ -52,15 +82,41 @@ async def connect(
     patience: Patience = FOREVER,
     on_lost: Callable[[str], None] | None = None,
     hint: str = _SERVER_HINT,
+    credentials: Credentials = NO_CREDENTIALS,
+    denials: Denials | None = None,
+    auth_hint: str = AUTH_HINT,
 ) -> Client:
-    """A connected client, or `ConnectionError` naming `url`, the last error and `hint`.
+    """A connected client, or `ConnectionError` naming `url`, the last error and `hint`
+    (`AuthenticationFailed` naming the account and `auth_hint` when the server refuses the
+    credentials).
 
     `on_lost(reason)` is called once when `patience.reconnect_s` runs out (the client is then
     closed); it is never called for a deliberate close."""
     nc = Client()
     give_up: asyncio.Task[None] | None = None
+    refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+    if denials is not None:
+        denials.credentials = credentials
 
     async def on_error(e: Exception) -> None:
+        violation = permission_violation(e)
+        if violation is not None:
+            op, subject = violation
+            log.error(
+                "nats_permission_denied",
+                op=op,
+                subject=subject,
+                client=name,
+                account=credentials.describe(),
+            )
+            if denials is not None:
+                denials.report(op, subject)
+            return
+        if is_authorization_violation(e):
+            if not refused.done() and not nc.is_connected:
+                refused.set_result(e)  # the first connection: fail at once, below
+            log.error("nats_authorization_violation", client=name, account=credentials.describe())
+            return
         log.warning("nats_error", error=f"{type(e).__name__}: {e}", client=name)
 
     async def on_disconnect() -> None:
@@ -92,7 +148,7 @@ async def connect(
             on_lost(reason)
 
     attempt = nc.connect(
-        url,
+        servers=server_urls(url),
         name=name,
         allow_reconnect=True,
         max_reconnect_attempts=-1,
@@ -103,24 +159,45 @@ async def connect(
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        **credentials.connect_options(),
     )
+    task = asyncio.ensure_future(attempt)
     try:
-        await asyncio.wait_for(attempt, patience.first_connect_s)
-    except asyncio.TimeoutError:
-        last = _describe(nc.last_error)
-        with contextlib.suppress(Exception):
+        await asyncio.wait(
+            {task, refused}, timeout=patience.first_connect_s, return_when=asyncio.FIRST_COMPLETED
+        )
+    except BaseException:  # cancelled: take the attempt down with us
+        task.cancel()
+        with contextlib.suppress(BaseException):
             await nc.close()
-        raise ConnectionError(
-            f"cannot connect to NATS at {url}: no answer within {patience.first_connect_s:g} s "
-            f"(last error: {last}); {hint}"
+        raise
+    if task.done() and not task.cancelled() and task.exception() is None:
+        refused.cancel()
+        return nc
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    last = _describe(nc.last_error)
+    error = task.exception() if task.done() and not task.cancelled() else None
+    with contextlib.suppress(Exception):
+        await nc.close()
+    if (refused.done() and not refused.cancelled()) or is_authorization_violation(error):
+        given = (
+            f"{credentials.describe()} was refused (a wrong or stale password?)"
+            if credentials.given
+            else "no credentials were given, and the server requires them"
+        )
+        raise AuthenticationFailed(
+            f"cannot connect to NATS at {url}: authorization violation: {given}; {auth_hint}"
         ) from None
-    except Exception as e:
-        with contextlib.suppress(Exception):
-            await nc.close()
+    if error is not None:
         raise ConnectionError(
-            f"cannot connect to NATS at {url}: {type(e).__name__}: {e} ({hint})"
-        ) from e
-    return nc
+            f"cannot connect to NATS at {url}: {type(error).__name__}: {error} ({hint})"
+        ) from error
+    raise ConnectionError(
+        f"cannot connect to NATS at {url}: no answer within {patience.first_connect_s:g} s "
+        f"(last error: {last}); {hint}"
+    ) from None
 
 
 def _describe(e: BaseException | None) -> str:

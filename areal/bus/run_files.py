@@ -28,8 +28,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
+from nats.js.api import ObjectStoreConfig
 from nats.js.errors import NotFoundError
 
+from areal.bus.auth import NO_CREDENTIALS, Credentials
 from areal.bus.connection import Patience, connect
 from areal.bus.weights import WeightsChannel
 from schemas.run_files import MANIFEST_NAME, RunFilesManifest, SharedFile
@@ -53,7 +55,9 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-async def _channel(url: str, names: RunNames, *, create: bool) -> WeightsChannel:
+async def _channel(
+    url: str, names: RunNames, *, create: bool, credentials: Credentials, replicas: int = 1
+) -> WeightsChannel:
     """A started channel on the run's files bucket; without `create`, `RunFilesMissing` when
     the bucket does not exist."""
     nc = await connect(
@@ -61,11 +65,14 @@ async def _channel(url: str, names: RunNames, *, create: bool) -> WeightsChannel
         f"areal-{names.run_id}-files-check",
         patience=Patience(first_connect_s=FIRST_CONNECT_S),
         hint="pass the URL the run's launcher printed, of a server that is up",
+        credentials=credentials,
+        auth_hint="pass this role's credentials file with --credentials FILE (a copy of the "
+        "launcher's <out>/keys/nats/<role>.json, or one `areal nats-config` made)",
     )
     try:
         js = nc.jetstream()
         if create:
-            await js.create_object_store(bucket=names.files_bucket)
+            await js.create_object_store(names.files_bucket, ObjectStoreConfig(replicas=replicas))
         else:
             try:
                 await js.object_store(names.files_bucket)
@@ -77,7 +84,7 @@ async def _channel(url: str, names: RunNames, *, create: bool) -> WeightsChannel
                 ) from None
     finally:
         await nc.close()
-    channel = WeightsChannel(url, f"areal-{names.run_id}-files", names.files_bucket)
+    channel = WeightsChannel(url, f"areal-{names.run_id}-files", names.files_bucket, credentials)
     await channel.start()
     return channel
 
@@ -91,12 +98,18 @@ async def _manifest(channel: WeightsChannel) -> RunFilesManifest | None:
 
 
 async def publish_run_files(
-    url: str, run_id: str, files: Mapping[str, bytes | Path]
+    url: str,
+    run_id: str,
+    files: Mapping[str, bytes | Path],
+    *,
+    credentials: Credentials = NO_CREDENTIALS,
+    replicas: int = 1,
 ) -> RunFilesManifest:
-    """Store `files` (object name -> content or a file to read) and then their manifest."""
+    """Store `files` (object name -> content or a file to read) and then their manifest (in a
+    bucket of `replicas` copies, `nats.replicas`, when it is created)."""
     names = RunNames(run_id)
     t0 = time.monotonic()
-    channel = await _channel(url, names, create=True)
+    channel = await _channel(url, names, create=True, credentials=credentials, replicas=replicas)
     try:
         old = await _manifest(channel)
         entries: list[SharedFile] = []
@@ -129,14 +142,19 @@ async def publish_run_files(
 
 
 async def fetch_run_files(
-    url: str, run_id: str, dest_root: Path, *, wait_s: float = 60.0
+    url: str,
+    run_id: str,
+    dest_root: Path,
+    *,
+    wait_s: float = 60.0,
+    credentials: Credentials = NO_CREDENTIALS,
 ) -> tuple[RunFilesManifest, Path]:
     """(manifest, local dir holding every shared file), downloading what is not cached yet.
 
     Waits up to `wait_s` for a manifest (the launcher may still be uploading), then raises
     `RunFilesMissing`."""
     names = RunNames(run_id)
-    channel = await _channel(url, names, create=False)
+    channel = await _channel(url, names, create=False, credentials=credentials)
     try:
         deadline = time.monotonic() + wait_s
         manifest = await _manifest(channel)

@@ -1,10 +1,22 @@
 """The run's policy weights: store, announce, fetch and verify (the weights half of the `Bus`).
 
+Anyone who can publish on the bus can put bytes in the object store and announce them, so with
+the run's keys (`areal.security.keys`) only the trainer's word counts:
+
 Invariants:
 - weights are stored before they are announced on `areal.<run>.weights`, so an announcement
   always names bytes that exist; only the newest `weights_keep` versions are kept;
-- a fetch is verified against the announcement's sha256 and size before it is returned;
-- `latest` is None only when the run has announced no weights yet; any other failure raises.
+- with keys, every announcement is signed by the trainer (`WeightAnnouncement.signed_payload`),
+  and every reader (`subscribe`, `latest`, `get`) checks the signature before it fetches a byte:
+  an unsigned or badly signed one is logged (`weights_rejected`, with the reason) and ignored,
+  so a forged version, however high, never reaches a caller and never holds back a real one;
+- a fetch reads at most the announced size: a `file://` URI only names a regular file under the
+  weights dir (`file_root`, symlinks resolved, no `..`) whose size is the announced one, an
+  object only one of that size; the digest is taken while reading and checked before returning;
+- `latest` is the trusted announcement of the highest version among those the stream holds;
+  None only when it holds none (nothing announced yet, or nothing the trainer signed); any other
+  failure raises (a restoring trainer must not take it for "no weights");
+- without keys (`security.sign_weights: false`) nothing is signed or verified (logged once).
 """
 
 from __future__ import annotations
@@ -12,8 +24,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import stat
 from collections.abc import Awaitable, Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import nats.errors
 import structlog
@@ -22,9 +35,12 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
+from areal.bus.auth import NO_CREDENTIALS, Credentials
 from areal.bus.codec import DecodeError, decode
+from areal.bus.errors import WeightsRejected
 from areal.bus.events import BusSubscription
-from areal.bus.weights import WeightsChannel
+from areal.bus.weights import CHUNK_BYTES, WeightsChannel
+from areal.security.keys import RunKeys
 from schemas import WeightAnnouncement
 from schemas import subjects as S
 from schemas.subjects import RunNames
@@ -32,6 +48,8 @@ from schemas.subjects import RunNames
 log = structlog.get_logger()
 
 NO_MESSAGE_FOUND = 10037  # JetStream error code of a direct get with nothing to return
+LATEST_SCAN = 256  # most announcements `latest` looks back over (the stream keeps fewer)
+UNSIGNED = "no run keys (security.sign_weights=false): weights are neither signed nor verified"
 Announce = Callable[[WeightAnnouncement], Awaitable[None]]
 
 
@@ -40,6 +58,59 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def weights_file(uri: str, file_root: str | os.PathLike | None) -> Path:
+    """The file a `file://` announcement names, resolved; `WeightsRejected` unless it lies
+    under `file_root` (resolved too) after every symlink, with no `..` in the announced path."""
+    raw = uri[len("file://") :]
+    if file_root is None:
+        raise WeightsRejected(
+            f"file:// weights {raw!r}: this worker reads weights files only with "
+            "weights.transport=file, from under weights.dir"
+        )
+    announced = PurePosixPath(raw)
+    if not announced.is_absolute() or ".." in announced.parts:
+        raise WeightsRejected(f"file:// weights {raw!r}: not an absolute path without '..'")
+    root = Path(file_root).resolve()
+    try:
+        path = Path(raw).resolve(strict=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"weights file {raw} does not exist (any more)") from None
+    except (OSError, RuntimeError) as e:  # a symlink loop, a path component not a dir
+        raise WeightsRejected(f"file:// weights {raw!r}: {e}") from None
+    if not path.is_relative_to(root):
+        raise WeightsRejected(
+            f"file:// weights {raw!r} resolve to {path}, outside the weights dir {root}"
+        )
+    return path
+
+
+def read_weights_file(path: Path, nbytes: int) -> tuple[bytes, str]:
+    """(content, sha256) of the regular file `path`, which must hold exactly `nbytes` bytes;
+    reads at most `nbytes + 1` bytes (none when its size already differs), hashing as it goes.
+    A fifo, a device or a symlink (`path` is resolved) is refused without a read."""
+    # O_NONBLOCK: opening a fifo must not wait for a writer (it is refused right after)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise WeightsRejected(f"weights file {path} is not a regular file")
+        if st.st_size != nbytes:
+            raise WeightsRejected(
+                f"weights file {path} holds {st.st_size} bytes, {nbytes} were announced"
+            )
+        buf = bytearray(nbytes + 1)  # one byte more: a file that grew shows it
+        view, digest, n = memoryview(buf), hashlib.sha256(), 0
+        while n <= nbytes:
+            got = f.readinto(view[n : min(n + CHUNK_BYTES, nbytes + 1)])
+            if not got:
+                break
+            digest.update(view[n : n + got])
+            n += got
+    if n != nbytes:
+        raise WeightsRejected(f"weights file {path} changed size while read ({nbytes} announced)")
+    return bytes(view[:n]), digest.hexdigest()
 
 
 class RunWeights:
@@ -54,12 +125,62 @@ class RunWeights:
         client_name: str,
         weights_keep: int,
         announce: Announce,
+        keys: RunKeys | None = None,
+        file_root: str | os.PathLike | None = None,
+        credentials: Credentials = NO_CREDENTIALS,
     ) -> None:
         self._js, self.names, self.url = js, names, url
         self.client_name, self.weights_keep = client_name, weights_keep
         self._announce = announce  # publishes an announcement (de-duplicated, retried)
+        self.keys = keys  # None: unsigned weights (security.sign_weights: false)
+        self.file_root = file_root  # file:// weights only under it; None: none at all
+        self.credentials = credentials  # of the object store's own connection
         self._channel: WeightsChannel | None = None  # started on first use
         self._lock = asyncio.Lock()
+        self._logged: set[str] = set()  # rejections already logged (one line per forgery)
+
+    # ------------------------------------------------------------ trust
+    def rejection(self, ann: WeightAnnouncement) -> str | None:
+        """Why `ann` is not the trainer's (logged once per announcement), or None to trust it."""
+        if self.keys is None:
+            self._log_once("unsigned", "weights_unverified", reason=UNSIGNED)
+            return None
+        if not ann.signature:
+            reason = "unsigned"
+        elif not self.keys.verify(ann.signed_payload(self.names.run_id), ann.signature):
+            reason = "bad signature"
+        else:
+            return None
+        self._log_once(
+            f"{ann.version}/{ann.signature}/{ann.uri}",
+            "weights_rejected",
+            version=ann.version,
+            uri=ann.uri[:200],
+            reason=reason,
+            verify_key=self.keys.fingerprint,
+        )
+        return reason
+
+    def _check(self, ann: WeightAnnouncement) -> None:
+        reason = self.rejection(ann)
+        if reason is not None:
+            raise WeightsRejected(f"weights v{ann.version} not announced by the trainer: {reason}")
+
+    def _log_once(self, once: str, event: str, **fields) -> None:
+        if once in self._logged:
+            return
+        if len(self._logged) > 10_000:  # a flood of forgeries must not grow memory forever
+            self._logged.clear()
+        self._logged.add(once)
+        log.warning(event, **fields)
+
+    def _signed(self, ann: WeightAnnouncement) -> WeightAnnouncement:
+        if self.keys is None:
+            self._log_once("unsigned", "weights_unverified", reason=UNSIGNED)
+            return ann
+        return ann.model_copy(
+            update={"signature": self.keys.sign(ann.signed_payload(self.names.run_id))}
+        )
 
     async def put(
         self, version: int, data: bytes, dtype: str, step: int, file_dir: str | None = None
@@ -70,6 +191,11 @@ class RunWeights:
         sees, e.g. for very large models) as `<file_dir>/v<version>.safetensors`, written
         atomically. Only the newest `weights_keep` versions are kept either way.
         """
+        if self.keys is not None and self.keys.signing_key is None:
+            raise RuntimeError(
+                "this worker's run keys have no signing key: only the trainer publishes weights "
+                "(it loads weights_signing.key from security.keys_dir)"
+            )
         name = f"v{version}"
         sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         if file_dir is None:
@@ -79,8 +205,10 @@ class RunWeights:
             path = Path(file_dir).resolve() / f"{name}.safetensors"
             await asyncio.to_thread(_write_atomic, path, data)
             uri = f"file://{path}"
-        ann = WeightAnnouncement(
-            version=version, uri=uri, sha256=sha, bytes=len(data), dtype=dtype, step=step
+        ann = self._signed(
+            WeightAnnouncement(
+                version=version, uri=uri, sha256=sha, bytes=len(data), dtype=dtype, step=step
+            )
         )
         await self._announce(ann)
         old = version - self.weights_keep
@@ -102,21 +230,31 @@ class RunWeights:
             log.warning("old_weights_not_deleted", name=name, error=f"{type(e).__name__}: {e}")
 
     async def get(self, ann: WeightAnnouncement) -> bytes:
-        """Fetch the announced weights and verify their digest."""
+        """Fetch the announced weights: the signature is checked before any byte is read, at
+        most the announced size is read, and the digest is checked before returning
+        (`WeightsRejected` for an announcement or a blob not to trust)."""
+        self._check(ann)
         if ann.uri.startswith("file://"):
-            path = ann.uri[len("file://") :]
-            data = await asyncio.to_thread(Path(path).read_bytes)
+            path = weights_file(ann.uri, self.file_root)
+            data, sha = await asyncio.to_thread(read_weights_file, path, ann.nbytes)
         elif ann.uri.startswith("nats-obj://"):
-            bucket, name = ann.uri[len("nats-obj://") :].split("/", 1)
+            bucket, _, name = ann.uri[len("nats-obj://") :].partition("/")
             if bucket == self.names.weights_bucket:
-                data = await (await self._weights_channel()).get(name)
+                data = await (await self._weights_channel()).get(name, ann.nbytes)
             else:  # another run's weights (e.g. to start from them): the library's reader
-                data = (await (await self._js.object_store(bucket)).get(name)).data
+                obs = await self._js.object_store(bucket)
+                size = (await obs.get_info(name)).size or 0
+                if size != ann.nbytes:
+                    raise WeightsRejected(
+                        f"object {name} in bucket {bucket} holds {size} bytes, "
+                        f"{ann.nbytes} were announced"
+                    )
+                data = (await obs.get(name)).data or b""
+            sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         else:
-            raise ValueError(f"unsupported weights uri {ann.uri!r}")
-        sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+            raise WeightsRejected(f"unsupported weights uri {ann.uri[:200]!r}")
         if sha != ann.sha256 or len(data) != ann.nbytes:
-            raise ValueError(
+            raise WeightsRejected(
                 f"weights v{ann.version} failed verification: sha256 {sha[:12]} != "
                 f"{ann.sha256[:12]} or {len(data)} != {ann.nbytes} bytes"
             )
@@ -126,7 +264,9 @@ class RunWeights:
         """The run's object-store weights on their own connection and thread (`weights.py`)."""
         async with self._lock:
             if self._channel is None:
-                channel = WeightsChannel(self.url, self.client_name, self.names.weights_bucket)
+                channel = WeightsChannel(
+                    self.url, self.client_name, self.names.weights_bucket, self.credentials
+                )
                 await channel.start()
                 self._channel = channel
         return self._channel
@@ -139,15 +279,29 @@ class RunWeights:
     async def subscribe(
         self, cb: Callable[[WeightAnnouncement], Awaitable[None]]
     ) -> BusSubscription:
-        """Deliver the latest announcement now and every later one (ordered consumer)."""
+        """Deliver the latest trusted announcement now and every later trusted one (ordered
+        consumer); an untrusted one is logged and skipped. When the stream's last message is
+        not to be trusted, the first delivery is `latest()` instead (the newest that is)."""
+        first = True
 
         async def on_msg(msg: Msg) -> None:
+            nonlocal first
+            was_first, first = first, False
             try:
-                ann = decode(msg.data, WeightAnnouncement)
+                ann: WeightAnnouncement | None = decode(msg.data, WeightAnnouncement)
             except DecodeError as e:
                 log.warning("bad_weight_announcement", reason=str(e))
-                return
-            await cb(ann)
+                ann = None
+            if ann is not None and self.rejection(ann) is None:
+                await cb(ann)
+            elif was_first:
+                try:
+                    ann = await self.latest()
+                except Exception as e:  # noqa: BLE001 - the rollout also polls `latest` itself
+                    log.warning("latest_weights_failed", error=f"{type(e).__name__}: {e}")
+                    return
+                if ann is not None:
+                    await cb(ann)
 
         subject = self.names.subject(S.WEIGHTS)
         sub = await self._js.subscribe(
@@ -156,16 +310,39 @@ class RunWeights:
         return BusSubscription(sub, subject)
 
     async def latest(self) -> WeightAnnouncement | None:
-        """The newest announcement; None only when the run has announced no weights yet.
+        """The trusted announcement of the highest version among the (at most `LATEST_SCAN`)
+        the weights stream holds; None only when it holds none (nothing announced yet, or
+        nothing the trainer signed). Messages that do not decode or verify are skipped.
 
-        Any other failure (no weights stream, a closed connection, a timeout, an announcement
-        that does not decode) raises: a restoring trainer must not take it for "no weights"."""
+        Any other failure (no weights stream, a closed connection, a timeout) raises: a
+        restoring trainer must not take it for "no weights"."""
+        stream, subject = self.names.stream(S.WEIGHTS), self.names.subject(S.WEIGHTS)
         try:
-            msg = await self._js.get_last_msg(
-                self.names.stream(S.WEIGHTS), self.names.subject(S.WEIGHTS)
-            )
+            last = await self._js.get_last_msg(stream, subject)
         except NotFoundError as e:
             if e.err_code == NO_MESSAGE_FOUND:
                 return None
             raise
-        return decode(msg.data, WeightAnnouncement)
+        first_seq = (await self._js.stream_info(stream)).state.first_seq or 1
+        best: WeightAnnouncement | None = None
+        for seq in range(last.seq, max(first_seq, last.seq - LATEST_SCAN + 1) - 1, -1):
+            msg = last if seq == last.seq else await self._message(stream, seq)
+            if msg is None:
+                continue
+            try:
+                ann = decode(msg.data, WeightAnnouncement)
+            except DecodeError as e:
+                self._log_once(f"decode/{seq}", "bad_weight_announcement", reason=str(e))
+                continue
+            if self.rejection(ann) is None and (best is None or ann.version > best.version):
+                best = ann
+        return best
+
+    async def _message(self, stream: str, seq: int):
+        """Message `seq` of `stream`, None when it is gone (discarded by the stream's limits)."""
+        try:
+            return await self._js.get_msg(stream, seq)
+        except NotFoundError as e:
+            if e.err_code == NO_MESSAGE_FOUND:
+                return None
+            raise

@@ -30,6 +30,8 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DiscardPolicy,
+    KeyValueConfig,
+    ObjectStoreConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -53,8 +55,9 @@ _STREAM_LIMITS = (
     "max_bytes",
     "max_msgs_per_subject",
     "discard",
+    "num_replicas",
 )
-_CONSUMER_LIMITS = ("ack_wait", "max_deliver", "max_ack_pending", "max_waiting")
+_CONSUMER_LIMITS = ("ack_wait", "max_deliver", "max_ack_pending", "max_waiting", "num_replicas")
 _FIX = "choose another run id, or delete the old run's streams (`nats stream rm NAME`)"
 # JetStream error codes: no storage (file) / memory left to create or grow a stream.
 _NO_STORAGE = {10047: "file", 10028: "memory"}
@@ -78,6 +81,7 @@ def stream_config(names: RunNames, stream: str, nats: NatsSettings) -> StreamCon
         storage=storage,
         max_msg_size=MAX_PAYLOAD_BYTES,
         duplicate_window=nats.duplicate_window_s,
+        num_replicas=nats.replicas,
     )
     if stream in S.WORK_QUEUE_STREAMS:
         return StreamConfig(
@@ -141,6 +145,7 @@ def consumer_config(stream: str, nats: NatsSettings) -> ConsumerConfig:
         max_deliver=nats.max_deliver,
         max_ack_pending=-1,
         max_waiting=512,
+        num_replicas=nats.replicas,
     )
 
 
@@ -233,9 +238,20 @@ async def declare_run(js: JetStreamContext, names: RunNames, nats: NatsSettings)
             await declare_stream(js, cfg)
         for stream, ccfg in consumers.items():
             await declare_consumer(js, streams[stream].name, ccfg)
-        await js.create_key_value(bucket=names.state_bucket, history=1)
-        await js.create_object_store(bucket=names.weights_bucket)
+        await js.create_key_value(
+            KeyValueConfig(bucket=names.state_bucket, history=1, replicas=nats.replicas)
+        )
+        # last: its existence means the whole run is declared (`run_declared`)
+        await js.create_object_store(
+            names.weights_bucket, ObjectStoreConfig(replicas=nats.replicas)
+        )
     except APIError as e:
         if e.err_code in _NO_STORAGE:
             raise _storage_error(e, nats) from None
         raise
+
+
+async def run_declared(js: JetStreamContext, names: RunNames) -> bool:
+    """Whether `declare_run` has completed for the run: its weights object store, which it
+    creates last, exists (a look-up only: roles that may not create streams call this)."""
+    return await _stream_config_of(js, f"OBJ_{names.weights_bucket}") is not None

@@ -8,8 +8,11 @@ Invariants (DESIGN section 3, "Tapping"):
 - an observer never declares streams or buckets: attaching to a run that does not exist is an
   error that names the fix, not a new empty run;
 - an observer never waits in silence: it connects with `OBSERVER_PATIENCE` (a dead address is a
-  `ConnectionError` within `first_connect_s`), and `TapClient.lost` is set, with the reason,
-  once its server has been gone for `reconnect_s`.
+  `ConnectionError` within `first_connect_s`, refused credentials an `AuthenticationFailed`
+  naming the monitor credentials to pass), and `TapClient.lost` is set, with the reason, once
+  its server has been gone for `reconnect_s`;
+- all it needs is the read-only monitor account of `areal.bus.nats_config` (it never publishes
+  to a run subject, never acks, never creates anything but ephemeral ordered consumers).
 The monitor package sees only `TapMessage` / `QueueStats`, never a `nats` object.
 """
 
@@ -30,6 +33,7 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 
+from areal.bus.auth import NO_CREDENTIALS, Credentials
 from areal.bus.connection import Patience, connect
 from schemas import subjects as S
 from schemas.subjects import RunNames, run_of_stream
@@ -45,6 +49,11 @@ OBSERVER_HINT = (
     "check --nats-url / AREAL_NATS__URL: is the run still running? A run's embedded server "
     "lives only as long as the run, on a new port each time (its `nats.url` in the run dir's "
     "config.json); use a server you started yourself to look at a run after it ends"
+)
+OBSERVER_AUTH_HINT = (
+    "pass the monitor's credentials: --credentials FILE (or AREAL_NATS__CREDENTIALS_FILE): for a "
+    "run started by `areal run`, its run dir or <out>/keys/nats/monitor.json; for a server of "
+    "your own, the monitor.json `areal nats-config` wrote"
 )
 Note = Callable[[str], None]
 
@@ -105,12 +114,14 @@ class TapClient:
         *,
         patience: Patience = OBSERVER_PATIENCE,
         note: Note | None = None,
+        credentials: Credentials = NO_CREDENTIALS,
     ) -> TapClient:
-        """Connect within `patience` (else `ConnectionError` naming the URL); `note` hears,
-        once, that the server has not answered yet."""
+        """Connect within `patience` (else `ConnectionError` naming the URL;
+        `AuthenticationFailed`, naming the credentials to pass, when the server refuses
+        them); `note` hears, once, that the server has not answered yet."""
         RunNames(run_id)  # validate before connecting
         lost = LostServer()
-        nc = await _observer_connect(url, f"{name}-{run_id}", patience, note, lost.set)
+        nc = await _observer_connect(url, f"{name}-{run_id}", patience, note, lost.set, credentials)
         return cls(nc, run_id, lost)
 
     def subject(self, subject_suffix: str) -> str:
@@ -324,11 +335,15 @@ async def list_runs(nc: Client) -> list[str]:
 
 
 async def discover_run(
-    url: str, *, patience: Patience = OBSERVER_PATIENCE, note: Note | None = None
+    url: str,
+    *,
+    patience: Patience = OBSERVER_PATIENCE,
+    note: Note | None = None,
+    credentials: Credentials = NO_CREDENTIALS,
 ) -> str:
     """The only run on the server at `url`; a clear error when there are none or several (and
     `ConnectionError` when nothing answers at `url` within `patience`)."""
-    nc = await _observer_connect(url, "areal-tap-discover", patience, note, None)
+    nc = await _observer_connect(url, "areal-tap-discover", patience, note, None, credentials)
     try:
         runs = await list_runs(nc)
     finally:
@@ -358,7 +373,12 @@ class LostServer:
 
 
 async def _observer_connect(
-    url: str, name: str, patience: Patience, note: Note | None, on_lost: Note | None
+    url: str,
+    name: str,
+    patience: Patience,
+    note: Note | None,
+    on_lost: Note | None,
+    credentials: Credentials = NO_CREDENTIALS,
 ) -> Client:
     """`connect` for observers: bounded patience, the observer hint in errors, and one `note`
     when the server has not answered within a second (so a wait is never silent)."""
@@ -374,6 +394,14 @@ async def _observer_connect(
 
     waiting = asyncio.get_running_loop().call_later(1.0, say_waiting)
     try:
-        return await connect(url, name, patience=patience, on_lost=on_lost, hint=OBSERVER_HINT)
+        return await connect(
+            url,
+            name,
+            patience=patience,
+            on_lost=on_lost,
+            hint=OBSERVER_HINT,
+            credentials=credentials,
+            auth_hint=OBSERVER_AUTH_HINT,
+        )
     finally:
         waiting.cancel()

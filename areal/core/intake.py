@@ -15,7 +15,11 @@ Invariants:
   checkpoint is acked at once;
 - a duplicate delivery of a sample in hand is held with it (acking it early would lose the
   message if the trainer then died before its checkpoint);
-- every task filed ends exactly once: trained, dropped_stale or filtered;
+- every task filed ends exactly once: trained, dropped_stale, filtered or rejected (a message of
+  it failed validation: `reject`); a task's samples must agree on the prompt, or it is rejected;
+- a task that never ends is noticed: `overdue(horizon)` lists the admission seqs that have not
+  ended although tasks admitted `horizon` or more later have (batches take the oldest groups
+  first, so a gap that old means a task was lost or stuck upstream, not merely slow);
 - the run state for admission (`kv_state`) returns only slots whose retirement a written
   checkpoint covers: a trainer restored from that checkpoint can never report fewer returned
   slots than admission already used, so a crash cannot make admission over-admit. A retirement
@@ -38,6 +42,7 @@ from schemas.state import Accounting, BatchInfo, CheckpointState, StepRecord, Tr
 __all__ = ["Filed", "Group", "Intake", "IntakePolicy", "Pick", "Retired", "token_versions"]
 
 H = TypeVar("H")
+RetireReason = Literal["dropped_stale", "filtered", "rejected"]
 
 
 def token_versions(scored: ScoredSample) -> np.ndarray:
@@ -62,6 +67,7 @@ class Filed(Enum):
     DUPLICATE = "duplicate"  # a copy of a sample in hand or awaiting its checkpoint: held too
     ACK_NOW = "ack_now"  # its task is covered by a written checkpoint: settle now
     INVALID = "invalid"  # does not fit this run (`Intake.last_error`): dead-letter it
+    REJECTED = "rejected"  # its task was retired as rejected: settle after the checkpoint
 
 
 @dataclass
@@ -83,7 +89,7 @@ class Group(Generic[H]):
 @dataclass(frozen=True)
 class Retired:
     task_id: str
-    reason: Literal["dropped_stale", "filtered"]
+    reason: RetireReason
     min_version: int | None
 
 
@@ -104,6 +110,9 @@ class Intake(Generic[H]):
         self._written = TrainerState()  # the state of the last written (or restored) checkpoint
         self.retired_unwritten = False  # groups retired since the last `checkpoint()`
         self.last_error = ""
+        self._ended_seqs: set[int] = set()  # ended seqs at or above `_low_open`
+        self._low_open = 0  # lowest admission seq that has not ended
+        self._max_ended = -1
 
     # ------------------------------------------------------------------ messages
     def file(self, scored: ScoredSample, handle: H) -> Filed:
@@ -116,12 +125,32 @@ class Intake(Generic[H]):
         if s.task_id in self.done_pending:
             self._unacked.append(handle)
             return Filed.DUPLICATE
+        group = self.groups.get(s.task_id)
+        if group is not None and group.samples:
+            first = next(iter(group.samples.values())).sample
+            if first.prompt_ids != s.prompt_ids or first.task_seq != s.task_seq:
+                self.last_error = f"sample {s.sample_id}: its prompt differs from its group's"
+                return Filed.INVALID
         group = self.groups.setdefault(s.task_id, Group(s.task_id, s.task_seq))
         group.handles.append(handle)
         if s.sample_idx in group.samples:
             return Filed.DUPLICATE
         group.samples[s.sample_idx] = scored
         return Filed.COMPLETED if len(group.samples) == self.policy.group_size else Filed.HELD
+
+    def reject(self, task_id: str, task_seq: int, handle: H) -> tuple[Filed, Retired | None]:
+        """Retire the (admitted) task `task_id` as rejected: a message of it failed validation,
+        so its group can never be trusted to complete. `handle` (and the group's) are settled
+        with the checkpoint that covers the retirement; the task's later messages are
+        duplicates. A task that already ended is not retired again (`ACK_NOW` / `DUPLICATE`)."""
+        if task_id in self.done_written:
+            return Filed.ACK_NOW, None
+        if task_id in self.done_pending:
+            self._unacked.append(handle)
+            return Filed.DUPLICATE, None
+        group = self.groups.setdefault(task_id, Group(task_id, task_seq))
+        group.handles.append(handle)
+        return Filed.REJECTED, self._retire(group, "rejected", group.min_version())
 
     # ------------------------------------------------------------------ batches
     def complete_groups(self) -> list[Group[H]]:
@@ -153,24 +182,30 @@ class Intake(Generic[H]):
                 chosen.append(group)
         return Pick(retired, chosen if len(chosen) == p.batch_size else None)
 
-    def _retire(
-        self, group: Group[H], reason: Literal["dropped_stale", "filtered"], vmin: int | None
-    ) -> Retired:
+    def _retire(self, group: Group[H], reason: RetireReason, vmin: int | None) -> Retired:
         self._end(group)
         self.retired_unwritten = True
         if reason == "dropped_stale":
             self.state.dropped_stale += 1
-        else:
+        elif reason == "filtered":
             self.state.filtered += 1
+        else:
+            self.state.rejected += 1
         return Retired(group.task_id, reason, vmin)
 
     def _end(self, group: Group[H]) -> None:
+        self._mark_ended(group.task_seq)
         del self.groups[group.task_id]
         self.done_pending.add(group.task_id)
         self._unacked.extend(group.handles)
 
-    def commit_step(self, batch: list[Group[H]], *, version: int, wall_s: float) -> None:
-        """`batch` was trained on; the policy is now `version` (published next)."""
+    def commit_step(
+        self, batch: list[Group[H]], *, version: int, wall_s: float, skipped: bool = False
+    ) -> None:
+        """`batch` was trained on; the policy is now `version` (published next). `skipped`: the
+        engine refused the update (a non-finite loss or gradient): the groups are used up all
+        the same (counted as trained: retrying them would fail the same way)."""
+        self.state.skipped_steps += int(skipped)
         for group in batch:
             self._end(group)
         st = self.state
@@ -180,6 +215,25 @@ class Intake(Generic[H]):
         st.samples += sum(len(g.samples) for g in batch)
         st.tokens += sum(len(sc.sample.output_ids) for g in batch for sc in g.samples.values())
         st.wall_s = wall_s
+
+    def _mark_ended(self, seq: int) -> None:
+        self._max_ended = max(self._max_ended, seq)
+        if seq >= self._low_open:
+            self._ended_seqs.add(seq)
+        while self._low_open in self._ended_seqs:
+            self._ended_seqs.discard(self._low_open)
+            self._low_open += 1
+
+    def overdue(self, horizon: int, limit: int = 100) -> list[int]:
+        """Seqs (at most `limit`, oldest first) that have not ended although a task admitted
+        `horizon` or more seqs later has."""
+        out: list[int] = []
+        for seq in range(self._low_open, self._max_ended - horizon + 1):
+            if seq not in self._ended_seqs:
+                out.append(seq)
+                if len(out) >= limit:
+                    break
+        return out
 
     # ------------------------------------------------------------------ durability
     def checkpoint(self) -> tuple[CheckpointState, list[H]]:
@@ -202,9 +256,10 @@ class Intake(Generic[H]):
 
     def kv_state(self) -> TrainerState:
         """The run state to publish for admission: the current version and counters, except that
-        returned slots (dropped + filtered) are those of the last written checkpoint."""
+        returned slots (dropped + filtered + rejected) are those of the last written checkpoint."""
         kv = self.state.model_copy()
-        kv.dropped_stale, kv.filtered = self._written.dropped_stale, self._written.filtered
+        w = self._written
+        kv.dropped_stale, kv.filtered, kv.rejected = w.dropped_stale, w.filtered, w.rejected
         return kv
 
     def restore(self, ckpt: CheckpointState) -> None:
@@ -216,6 +271,11 @@ class Intake(Generic[H]):
         self.done_written = set(ckpt.done_tasks)
         self.done_pending.clear()
         self._unacked.clear()
+        self._ended_seqs, self._low_open, self._max_ended = set(), 0, -1
+        for task_id in ckpt.done_tasks:
+            seq = task_id.rsplit("-t", 1)[-1]
+            if seq.isdigit():
+                self._mark_ended(int(seq))
 
     # ------------------------------------------------------------------ reporting
     def accounting(self, admitted: int) -> Accounting:
@@ -225,6 +285,7 @@ class Intake(Generic[H]):
             trained=st.trained,
             dropped_stale=st.dropped_stale,
             filtered=st.filtered,
+            rejected=st.rejected,
         )
 
     def batch_info(self, batch: list[Group[H]]) -> BatchInfo:
@@ -274,6 +335,7 @@ class Intake(Generic[H]):
             wall_s=round(st.wall_s, 3),
             dropped_stale=st.dropped_stale,
             filtered=st.filtered,
+            rejected=st.rejected,
             admitted=admitted,
             outstanding=admitted - st.returned,
             **{k: round(t, 4) for k, t in timings.items()},

@@ -95,7 +95,14 @@ class InferenceEngine(Protocol):
         when every one of them has finished and `poll_requests` (if given) hands in nothing."""
         ...
 
-    def load_weights(self, update: WeightUpdate) -> None: ...
+    def check_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Raise `ValueError` unless `state_dict` fits the model whole (every name, shape and
+        dtype; finite values); touches no parameter."""
+        ...
+
+    def load_weights(self, update: WeightUpdate) -> None:
+        """`check_weights`, then copy: a refused update changes no parameter."""
+        ...
 
 
 @dataclass

@@ -44,6 +44,7 @@ from areal.engines.base import (
     WeightUpdate,
 )
 from areal.engines.config import InferenceEngineConfig
+from areal.engines.weights_check import check_state_dict, spec_of
 
 __all__ = ["TorchInferenceEngine", "resolve_dtype", "sample_tokens", "weights_from_safetensors"]
 
@@ -207,8 +208,10 @@ class TorchInferenceEngine:
             cfg.model_path, dtype=resolve_dtype(cfg.dtype), local_files_only=True
         ).to(self.device)
         self.model.eval()
+        self._spec = spec_of(self.model.state_dict())  # what a weights blob must match
         self.max_batch_size = cfg.max_batch_size
         self.max_seq_len: int | None = getattr(self.model.config, "max_position_embeddings", None)
+        self.vocab_size: int = self.model.get_input_embeddings().num_embeddings  # ids must be below
         self.version = 0
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(cfg.seed)
@@ -218,16 +221,15 @@ class TorchInferenceEngine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     # ------------------------------------------------------------------ weights
+    def check_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Raise `WeightsMismatch` unless `state_dict` fits the model whole (names, shapes,
+        dtypes, finite values: `areal.engines.weights_check`); touches no parameter."""
+        check_state_dict(self._spec, state_dict, what=f"weights v{version}")
+
     def load_weights(self, update: WeightUpdate) -> None:
+        """Check the whole state dict, then copy it: a refused one changes no parameter."""
+        self.check_weights(update.state_dict, update.version)
         with self._lock:
-            expected = set(self.model.state_dict())
-            got = set(update.state_dict)
-            if expected != got:
-                raise ValueError(
-                    f"weights for version {update.version} do not fit the model: "
-                    f"missing {sorted(expected - got)[:5]}, unexpected {sorted(got - expected)[:5]} "
-                    "(export them with TorchTrainEngine.export_safetensors from the same architecture)"
-                )
             self.model.load_state_dict(update.state_dict, strict=True)
             self.version = update.version
 

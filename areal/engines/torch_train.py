@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import uuid
@@ -78,6 +79,8 @@ class TorchTrainEngine:
         )
         self.model = model.to(self.device)
         self.model.eval()
+        self.vocab_size: int = self.model.get_input_embeddings().num_embeddings
+        self.max_seq_len: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
@@ -118,12 +121,13 @@ class TorchTrainEngine:
                 s.prox_logp = lp
 
         chunks = [c for c in split_contiguous(seqs, self.n_minibatches) if c]
-        outs, grad_norms = [], []
+        outs, grad_norms, skipped = [], [], 0
         n_mb, tokens, padded_tokens = 0, 0, 0
         params = [p for p in self.model.parameters() if p.requires_grad]
         for chunk in chunks:
             denom = float(sum(len(s.output_ids) for s in chunk))  # loss tokens of this minibatch
             self.optimizer.zero_grad(set_to_none=True)
+            chunk_outs = []
             for mb in self.fwd.micro_batches(chunk, max_tokens_per_mb):
                 mb_seqs = [chunk[i] for i in mb if len(chunk[i].output_ids) > 0]
                 if not mb_seqs:
@@ -135,10 +139,17 @@ class TorchTrainEngine:
                     self.fwd, mb_seqs, cfg, self.prox_logp, self.version, denom, self.device
                 )
                 out.loss.backward()
-                outs.append(out)
+                chunk_outs.append(out)
             max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-            self.optimizer.step()
+            norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            losses = [o.loss.detach() for o in chunk_outs]
+            if math.isfinite(norm) and bool(torch.isfinite(torch.stack(losses)).all()):
+                grad_norms.append(norm)
+                outs.extend(chunk_outs)
+                self.optimizer.step()
+            elif losses:  # refuse the update: a non-finite loss or gradient changes nothing
+                skipped += 1
+                self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
 
         stats = reduce_loss_stats(outs)
@@ -148,6 +159,8 @@ class TorchTrainEngine:
             lr=float(self.optimizer.param_groups[0]["lr"]),
             padding_frac=(padded_tokens - tokens) / padded_tokens if padded_tokens else 0.0,
             n_microbatches=float(n_mb),
+            skipped_minibatches=float(skipped),
+            step_skipped=float(skipped > 0 and not outs),
             tokens=float(tokens),
             time_s=time.perf_counter() - t0,
         )

@@ -30,6 +30,7 @@ from areal.engines.base import (
 )
 from areal.engines.config import InferenceEngineConfig
 from areal.engines.torch_infer import resolve_dtype
+from areal.engines.weights_check import TensorSpec, check_state_dict, spec_of_hf_dir
 
 __all__ = ["VLLMInferenceEngine"]
 
@@ -60,11 +61,30 @@ class VLLMInferenceEngine:
             skip_tokenizer_init=True,
         )
         self.engine = self.llm.llm_engine
+        self._spec = self._weights_spec()
         self.version = 0
         self._n_submits = 0
         self.max_batch_size = cfg.max_batch_size
 
+    def _weights_spec(self) -> tuple[dict[str, TensorSpec], frozenset[str]]:
+        """What a weights blob must match: the HF names and shapes of the model dir (vLLM's own
+        parameters are fused); a tied `lm_head.weight` may come along or not."""
+        spec = spec_of_hf_dir(self.cfg.model_path)
+        embed = spec.get("model.embed_tokens.weight")
+        if self._tied() and "lm_head.weight" not in spec and embed is not None:
+            spec["lm_head.weight"] = embed
+            return spec, frozenset({"lm_head.weight"})
+        return spec, frozenset()
+
+    def check_weights(self, state_dict: dict[str, Any], version: int) -> None:
+        """Raise `WeightsMismatch` unless `state_dict` fits the model whole (names, shapes,
+        dtypes, finite values: `areal.engines.weights_check`); touches no parameter."""
+        spec, optional = self._spec
+        check_state_dict(spec, state_dict, optional=optional, what=f"weights v{version}")
+
     def load_weights(self, update: WeightUpdate) -> None:
+        """Check the whole state dict, then copy it: a refused one changes no parameter."""
+        self.check_weights(update.state_dict, update.version)
         items = [
             (k, v)
             for k, v in update.state_dict.items()

@@ -3,14 +3,22 @@
 The launcher's `config.json` names paths of its own host (the model in its cache, the data
 file, the cache dir), so it cannot run a worker elsewhere. Instead the launcher shares
 (`share_run`) a portable config (the resolved settings with `reward.fn` resolved and no host
-paths: `model.path`, `cache_dir` and `nats.url` cleared), the model dir and the data file, in
-the run's object store. `areal worker ROLE --join RUN_ID --nats-url URL` (`join_config`) fetches
-them into its own cache dir and runs from a config whose paths point into that copy.
+paths: `model.path`, `cache_dir`, `nats.url` and `security.keys_dir` cleared), the model dir
+and the data file, in the run's object store. `areal worker ROLE --join RUN_ID --nats-url URL`
+(`join_config`) fetches them into its own cache dir and runs from a config whose paths point
+into that copy.
 
 Invariants:
 - the files are shared before any worker starts, so a worker that joins while the run goes on
   finds them; the model and the data file are shared while their running total is at most
   `nats.share_max_bytes` (model first), the config always;
+- the run's keys never travel on the bus (anyone on it could read the ids secret, or swap the
+  verify key for their own): a worker on another host is given a copy of the keys dir without
+  the signing key (`--set security.keys_dir=DIR`, as the launcher's join hint says), and one
+  without it fails at start naming that setting (`areal.security.keys`);
+- nor do the NATS credentials (`HOST_NATS_FILES` are cleared): a worker on another host is given
+  a copy of its role's file (`<out>/keys/nats/<role>.json`, or one `areal nats-config` made) and
+  passes it with `--credentials FILE`, which also fetches the shared files;
 - a joining worker runs on exactly the launcher's resolved settings except the host paths and
   its own `--set` overrides, which win (e.g. `--set model.path=<local copy>` for a model the run
   did not share); a model or data file the run did not share and no override supplies is a
@@ -30,11 +38,19 @@ import structlog
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from areal.config import RunSettings, parse_overrides
+from areal.config import ConfigError, NatsSettings, RunSettings, parse_overrides
 from schemas.run_files import CONFIG_NAME, DATA_PREFIX, MODEL_PREFIX, RunFilesManifest
 
 log = structlog.get_logger()
 DATA_FIELDS = ("source", "eval_source")  # data settings that may name a local file
+# nats settings naming files of the launcher's host (credentials, TLS): never shared
+HOST_NATS_FILES = (
+    "credentials_file",
+    "credentials_dir",
+    "tls_ca_file",
+    "tls_cert_file",
+    "tls_key_file",
+)
 
 JOINED_SUBDIR = "joined"  # under the model cache dir: one dir per (run, shared files)
 WORKER_CONFIG_NAME = "worker-config.json"  # the joined config, paths pointing into the copy
@@ -54,6 +70,9 @@ def portable_config(settings: RunSettings) -> dict[str, Any]:
     cfg["reward"]["fn"] = settings.reward_fn_name()
     cfg["model"]["path"] = None
     cfg["nats"]["url"] = None
+    cfg["security"]["keys_dir"] = None  # the keys never travel on the bus (module docstring)
+    for key in HOST_NATS_FILES:  # credentials never travel on the bus either
+        cfg["nats"][key] = None
     cfg.pop("cache_dir", None)
     return cfg
 
@@ -96,23 +115,50 @@ def shared_files(settings: RunSettings) -> dict[str, bytes | Path]:
 def share_run(settings: RunSettings, public_url: str | None) -> str | None:
     """Share the run's files on `settings.nats.url`; the command a worker on another host runs
     (None when `public_url`, the server's address for other hosts, is None: loopback only)."""
+    from areal.bus.auth import credentials_for
     from areal.bus.run_files import publish_run_files
 
     assert settings.nats.url is not None
-    asyncio.run(publish_run_files(settings.nats.url, settings.run_id, shared_files(settings)))
+    asyncio.run(
+        publish_run_files(
+            settings.nats.url,
+            settings.run_id,
+            shared_files(settings),
+            credentials=credentials_for(settings.nats, "launcher"),
+            replicas=settings.nats.replicas,
+        )
+    )
     if public_url is None:
         return None
+    from areal.security.keys import IDS_SECRET_FILE, VERIFY_KEY_FILE, keys_dir_of
+
+    keys = keys_dir_of(settings)
     return (
         f"workers on other hosts join with: areal worker rollout --join {settings.run_id} "
-        f"--nats-url {public_url}   (or reward)"
+        f"--nats-url {public_url} --set security.keys_dir=DIR{_credentials_hint(settings)}"
+        f"   (or reward), after copying the run's public keys there: {keys / VERIFY_KEY_FILE} "
+        f"and {keys / IDS_SECRET_FILE} into DIR (mode 0700; never the signing key)"
     )
 
 
+def _credentials_hint(settings: RunSettings) -> str:
+    """` --credentials FILE` (the role's NATS credentials to copy) when the run has them."""
+    d = settings.nats.credentials_dir
+    return "" if d is None else f" --credentials <a copy of {Path(d) / 'rollout.json'}, 0600>"
+
+
 def public_url_of(url: str) -> str | None:
-    """`url` when it names a host other hosts can reach, None for a loopback address."""
+    """`url` when it names a host other hosts can reach, None for a loopback address; of
+    several servers (comma-separated, a cluster), those others can reach, None if none."""
+    from areal.bus.connection import server_urls
+
+    public = [u for u in server_urls(url) if not _loopback(u)]
+    return ",".join(public) or None
+
+
+def _loopback(url: str) -> bool:
     host = url.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    loopback = host in ("localhost", "::1") or host.startswith("127.")
-    return None if loopback else url
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 class _CacheDirSetting(BaseSettings):
@@ -130,6 +176,26 @@ def _cache_dir(overrides: list[str]) -> str | None:
     if "cache_dir" in given:
         return given["cache_dir"]
     return _CacheDirSetting().cache_dir
+
+
+class _NatsSetting(BaseSettings):
+    """`nats` before the run's config is known (env `AREAL_NATS__...`, as in RunSettings)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="AREAL_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    nats: NatsSettings = Field(default_factory=NatsSettings, description="NATS connection")
+
+
+def _nats_settings(overrides: list[str]) -> NatsSettings:
+    """The `--set nats.*` overrides over the environment's: the credentials and TLS files a
+    joining worker fetches the run's files with."""
+    given = parse_overrides(overrides).get("nats")
+    try:
+        return _NatsSetting(**({"nats": given} if isinstance(given, dict) else {})).nats
+    except ValueError as e:
+        raise ConfigError(f"config error: nats: {e}") from None
 
 
 def _overridden(overrides: dict[str, Any], section: str, key: str) -> bool:
@@ -170,16 +236,21 @@ def joined_config(manifest: RunFilesManifest, files_dir: Path, overrides: list[s
     return path
 
 
-def join_config(run_id: str, nats_url: str, overrides: list[str]) -> Path:
-    """Fetch run `run_id`'s shared files from `nats_url` into this host's cache dir; the path
-    of the config this worker runs with. Raises `JoinError` (or `ConfigError` for a malformed
-    `--set`) naming the fix."""
+def join_config(run_id: str, nats_url: str, overrides: list[str], role: str = "rollout") -> Path:
+    """Fetch run `run_id`'s shared files from `nats_url` into this host's cache dir (connecting
+    with `role`'s credentials: `--credentials FILE`, `--set nats.credentials_file=...` or
+    `AREAL_NATS__CREDENTIALS_FILE`); the path of the config this worker runs with. Raises
+    `JoinError` (or `ConfigError` for a malformed `--set`) naming the fix."""
+    from areal.bus.auth import credentials_for
     from areal.bus.run_files import RunFilesCorrupt, RunFilesMissing, fetch_run_files
     from areal.data.warm_start import cache_root
 
     try:
         dest_root = cache_root(_cache_dir(overrides)) / JOINED_SUBDIR
-        manifest, files_dir = asyncio.run(fetch_run_files(nats_url, run_id, dest_root))
+        credentials = credentials_for(_nats_settings(overrides), role)
+        manifest, files_dir = asyncio.run(
+            fetch_run_files(nats_url, run_id, dest_root, credentials=credentials)
+        )
     except (RunFilesMissing, RunFilesCorrupt, ConnectionError) as e:
         raise JoinError(f"cannot join run {run_id!r}: {e}") from None
     return joined_config(manifest, files_dir, overrides)

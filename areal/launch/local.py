@@ -14,7 +14,13 @@ Invariants:
   stops with its one-line reason; other crashes are restarted up to `max_restarts` times, and
   a worker that ran `HEALTHY_S` before it exited has its budget back; an exit because the bus
   was away (`EXIT_BUS_UNAVAILABLE`) does not spend the budget;
-- a dead embedded nats-server is restarted on the same store and port, and said so.
+- a dead embedded nats-server is restarted on the same store, port and accounts, and said so;
+- the embedded server has one account per role of the run (`areal.bus.nats_config`), their
+  credentials in `<out>/keys/nats/<role>.json` (0600), kept on `--resume`; config.json names
+  that dir (`nats.credentials_dir`) and each worker connects with its own role's file;
+- the run's keys (`areal.security.keys`: the trainer's weights signing key, its verify key, the
+  message-id secret) exist before any worker starts, are kept on `--resume`, and config.json
+  names their dir (`security.keys_dir`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import structlog
 
 from areal.bus.embedded import EmbeddedNats
 from areal.bus.errors import RunConflictError
+from areal.bus.nats_config import authorization_block, ensure_accounts
 from areal.bus.streams import StorageLimitError
 from areal.config import ConfigError, RunSettings
 from areal.launch import run_dir
@@ -41,10 +48,12 @@ from areal.launch.join import public_url_of, share_run
 from areal.launch.preflight import check_run
 from areal.launch.worker import EXIT_BUS_UNAVAILABLE, EXIT_CONFIG, resolve_model_path
 from areal.proc import die_with_parent
+from areal.security.keys import KeysError, ensure_run_keys, keys_dir_of
 
 log = structlog.get_logger()
 
 RUN_ARTIFACTS = run_dir.RUN_ARTIFACTS  # kept importable from here
+NATS_KEYS_SUBDIR = "keys/nats"  # under --out: the embedded server's per-role credentials
 Supervision = Literal["finished", "ignore", "restart", "restart_free", "give_up", "config_error"]
 HEALTHY_S = 300.0  # a worker up this long before it exits has its restart budget back
 MAX_OUTAGE_RESTARTS = 20  # restarts after outages (not counted in max_restarts), per worker
@@ -104,6 +113,13 @@ class Launcher:
         when `--resume` finds the run already finished at `train.total_steps` (nothing to do).
         With `--overwrite` the old run's artifacts are deleted here, after all checks passed."""
         check_run(self.s)
+        n = self.s.nats
+        if not n.url and (n.credentials_file or n.credentials_dir):
+            raise ConfigError(
+                "config error: nats.credentials_file / nats.credentials_dir are for a server of "
+                "your own (set nats.url); the embedded server makes its own accounts in "
+                f"{self.out / NATS_KEYS_SUBDIR}: unset them"
+            )
         if self.resume:
             point = run_dir.resume_point(self.out)
             run_dir.ensure_writable(self.out)
@@ -119,11 +135,24 @@ class Launcher:
 
     def prepare(self) -> Path:
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        # the run's keys before any worker starts; kept when present (--resume keeps them), and
+        # config.json names where they are
+        keys_dir = keys_dir_of(self.s).resolve()
+        ensure_run_keys(keys_dir)
+        self.s.security.keys_dir = str(keys_dir)
         self.s.model.path = resolve_model_path(self.s)
         if not self.s.nats.url:
             n = self.s.nats
+            authorization = ""
+            if n.embedded_auth:  # one account per role; their files kept on --resume
+                keys = (self.out / NATS_KEYS_SUBDIR).resolve()
+                authorization = authorization_block(ensure_accounts(keys, [self.s.run_id]))
+                n.credentials_dir = str(keys)  # each worker reads <role>.json there
             self.server = EmbeddedNats(
-                store_dir=self.out / "nats", port=n.listen_port, host=n.listen_host
+                store_dir=self.out / "nats",
+                port=n.listen_port,
+                host=n.listen_host,
+                authorization=authorization,
             ).start()
             self.s.nats.url = self.server.url
         # before any worker starts: a worker on another host joins from these files
@@ -312,6 +341,9 @@ class Launcher:
             rc = asyncio.run(self._watch())
         except (WarmStartLockTimeout, StorageLimitError, RunConflictError) as e:
             print(f"error: {e}", file=sys.stderr)  # one line with the fix, no traceback
+            rc = EXIT_CONFIG
+        except KeysError as e:  # the run's keys dir is incomplete or unreadable
+            print(e, file=sys.stderr)
             rc = EXIT_CONFIG
         except KeyboardInterrupt:
             print("\ninterrupted: stopping all workers", file=sys.stderr)

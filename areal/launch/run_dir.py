@@ -32,6 +32,7 @@ RUN_ARTIFACTS = (
     "final",
     "nats",
     "logs",
+    "keys",  # the default security.keys_dir: a new run gets new keys
 )
 CHECKPOINT_STATE = Path("checkpoint") / "trainer_state.json"
 

@@ -9,6 +9,15 @@ parts to the bus. While `prepare` runs, the worker logs `worker_preparing` every
 A worker stops on SIGTERM/SIGINT or when the run's `run_finished` event arrives; on stop it
 hands unsettled work back to the stream (nak) so another replica picks it up at once.
 
+Before `prepare` the worker loads the run's keys (`areal.security.keys.keys_for_worker`): the
+trainer its signing key, a rollout worker the verify key; without them (and with
+`security.sign_weights` on) it exits with `EXIT_CONFIG` naming `security.keys_dir` and the fix.
+
+It connects with its role's NATS credentials (`areal.bus.auth.credentials_for`: a missing file
+fails before prepare). Only the controller and the trainer declare the run's streams
+(`nats_config.DECLARERS`); rollout and reward wait for them (`Bus.wait_declared`). A server that
+refuses the credentials, or refuses the account something its role does, is an `EXIT_CONFIG`.
+
 Exit codes: 0 stopped or the run is finished; `EXIT_CONFIG` (2) a deterministic failure (a
 config error, a missing dependency: the role's `preflight` checks, or a `ConfigError` /
 `ImportError` from prepare), whose one-line reason is the last line the worker prints, and which
@@ -31,12 +40,20 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import structlog
 
+from areal.bus.auth import credentials_for
 from areal.bus.client import Bus
-from areal.bus.errors import BusUnavailable, RunConflictError
+from areal.bus.errors import (
+    AuthenticationFailed,
+    BusUnavailable,
+    PermissionDenied,
+    RunConflictError,
+)
+from areal.bus.nats_config import DECLARERS
 from areal.bus.streams import StorageLimitError
 from areal.config import ConfigError, RunSettings, load_settings, new_worker_id
 from areal.launch.preflight import check_role
 from areal.logging import setup_logging
+from areal.security.keys import RunKeys, keys_for_worker
 from schemas import Event
 from schemas.state import TRAINER_KEY, TrainerState
 
@@ -70,6 +87,12 @@ def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
         "config, model and data from the bus (instead of --config)",
     )
     p.add_argument("--nats-url", help="NATS server URL (overrides nats.url)")
+    p.add_argument(
+        "--credentials",
+        metavar="FILE",
+        help="this role's NATS credentials file (overrides nats.credentials_file): a copy of "
+        "the launcher's <out>/keys/nats/<role>.json, or one `areal nats-config` wrote",
+    )
     p.add_argument("--worker-id", help="stable id of this replica (default: role-host-pid-rand)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     return p.parse_args(argv)
@@ -101,7 +124,9 @@ def resolve_model_path(settings: RunSettings) -> str:
     )
 
 
-def _join(run_id: str, config: str | None, nats_url: str | None, overrides: list[str]) -> str:
+def _join(
+    role: str, run_id: str, config: str | None, nats_url: str | None, overrides: list[str]
+) -> str:
     """The config of a worker joining `run_id` (`areal.launch.join`); `ConfigError` with the
     fix when the arguments do not allow it."""
     from areal.launch.join import JoinError, join_config
@@ -113,7 +138,7 @@ def _join(run_id: str, config: str | None, nats_url: str | None, overrides: list
             "config error: --join needs --nats-url URL (the server the run's launcher printed)"
         )
     try:
-        return str(join_config(run_id, nats_url, overrides))
+        return str(join_config(run_id, nats_url, overrides, role=role))
     except JoinError as e:
         raise ConfigError(f"config error: {e}") from None
 
@@ -122,9 +147,11 @@ def main(spec: RoleSpec[Any], argv: list[str] | None = None) -> int:
     args = parse_args(spec.role, argv)
     try:
         overrides = list(args.overrides) + ([f"nats.url={args.nats_url}"] if args.nats_url else [])
+        if args.credentials:
+            overrides.append(f"nats.credentials_file={args.credentials}")
         config = args.config
         if args.join:
-            config = _join(args.join, args.config, args.nats_url, overrides)
+            config = _join(spec.role, args.join, args.config, args.nats_url, overrides)
         settings = load_settings(config, overrides)
     except ConfigError as e:
         print(e)
@@ -148,6 +175,8 @@ def run_worker(spec: RoleSpec[P], settings: RunSettings, worker_id: str) -> int:
     (`EXIT_CONFIG` for a deterministic failure, its reason printed as the last line)."""
     try:
         check_role(spec.role, settings)
+        keys = keys_for_worker(settings, spec.role)  # before prepare: a missing key fails fast
+        credentials_for(settings.nats, spec.role)  # so does a missing credentials file
         parts = _prepare_reporting(spec, settings, worker_id)
     except (ConfigError, ImportError) as e:
         if not isinstance(e, ConfigError):
@@ -162,7 +191,7 @@ def run_worker(spec: RoleSpec[P], settings: RunSettings, worker_id: str) -> int:
     except Exception:
         log.exception("worker_prepare_failed", role=spec.role)
         return 1
-    return asyncio.run(_run(spec, settings, worker_id, parts))
+    return asyncio.run(_run(spec, settings, worker_id, parts, keys))
 
 
 async def await_open_run(bus: Bus, total_steps: int, stop: asyncio.Event) -> bool:
@@ -219,13 +248,25 @@ def _prepare_reporting(spec: RoleSpec[P], settings: RunSettings, worker_id: str)
         log.info("worker_prepared", role=spec.role, prepare_s=round(time.monotonic() - t0, 2))
 
 
-async def _run(spec: RoleSpec[P], settings: RunSettings, worker_id: str, parts: P) -> int:
+async def _run(
+    spec: RoleSpec[P], settings: RunSettings, worker_id: str, parts: P, keys: RunKeys | None
+) -> int:
     assert settings.nats.url is not None
     try:
         bus = await Bus.connect(
-            settings.nats.url, settings.run_id, spec.role, worker_id, settings.nats
+            settings.nats.url,
+            settings.run_id,
+            spec.role,
+            worker_id,
+            settings.nats,
+            keys=keys,
+            sign_weights=settings.security.sign_weights,
+            weights_dir=settings.weights.file_dir(settings.out_dir),
+            declare=spec.role in DECLARERS,  # the others may not create streams: they wait
         )
-    except (RunConflictError, StorageLimitError) as e:  # the same on every retry: do not
+    # the same on every retry: do not (a refused account included: its file or permissions
+    # are wrong, a restart cannot fix them)
+    except (RunConflictError, StorageLimitError, AuthenticationFailed, PermissionDenied) as e:
         print(f"config error: {e}", flush=True)
         return EXIT_CONFIG
     stop = asyncio.Event()
@@ -240,7 +281,9 @@ async def _run(spec: RoleSpec[P], settings: RunSettings, worker_id: str, parts: 
     sub = await bus.subscribe_events("run_finished", on_finished)
     rc = 0
     try:
-        if spec.role != "trainer" and not await await_open_run(
+        if spec.role not in DECLARERS and not await bus.wait_declared(stop):
+            pass  # stopped before the run's streams existed
+        elif spec.role != "trainer" and not await await_open_run(
             bus, settings.train.total_steps, stop
         ):
             if not stop.is_set():
@@ -251,6 +294,10 @@ async def _run(spec: RoleSpec[P], settings: RunSettings, worker_id: str, parts: 
         log.error("worker_failed_bus_unavailable", role=spec.role, error=str(e))
         print(f"bus unavailable: {e}", flush=True)
         rc = EXIT_BUS_UNAVAILABLE
+    except PermissionDenied as e:  # this account may not do what the role does: not restarted
+        log.error("worker_failed_permission_denied", role=spec.role, error=str(e))
+        print(f"config error: {e}", flush=True)
+        rc = EXIT_CONFIG
     except Exception:
         log.exception("worker_failed", role=spec.role)
         rc = 1

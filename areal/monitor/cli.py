@@ -9,6 +9,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from areal.bus.auth import Credentials
 
 STREAMS_HELP = "prompts | trajectories | rewards | weights | metrics | events | dlq"
 
@@ -23,10 +28,48 @@ def _add_conn(p: argparse.ArgumentParser) -> None:
         "--nats-url",
         help="NATS server (default: $AREAL_NATS__URL, else $NATS_URL, else nats://127.0.0.1:4222)",
     )
+    p.add_argument(
+        "--credentials",
+        metavar="PATH",
+        help="the monitor's NATS credentials: a run dir of `areal run` (its "
+        "keys/nats/monitor.json), a monitor.json of `areal nats-config`, or a NATS .creds file "
+        "(default: $AREAL_NATS__CREDENTIALS_FILE, else none)",
+    )
 
 
-def _conn(args: argparse.Namespace) -> tuple[str, str]:
-    """(NATS url, run id): flags, else the environment (`MonitorSettings`), else the defaults.
+MONITOR_CREDENTIALS = ("keys/nats/monitor.json", "monitor.json")  # looked for in a dir
+
+
+def _credentials(path: str | None, env) -> Credentials:
+    """The monitor's credentials from `path` (a file, or a dir holding one of
+    `MONITOR_CREDENTIALS`), with the TLS files of the environment."""
+    from dataclasses import replace
+
+    from areal.bus.auth import NO_CREDENTIALS, load_credentials
+
+    creds = NO_CREDENTIALS
+    if path is not None:
+        p = Path(path).expanduser()
+        if p.is_dir():
+            found = [p / name for name in MONITOR_CREDENTIALS if (p / name).is_file()]
+            if not found:
+                raise ValueError(
+                    f"--credentials {p}: a dir without {' or '.join(MONITOR_CREDENTIALS)}; pass "
+                    "the run dir of `areal run` or the monitor.json `areal nats-config` wrote"
+                )
+            p = found[0]
+        creds = load_credentials(p)
+    return replace(
+        creds,
+        tls_ca_file=env.tls_ca_file,
+        tls_cert_file=env.tls_cert_file,
+        tls_key_file=env.tls_key_file,
+    )
+
+
+def _connection(args: argparse.Namespace) -> tuple[str, str, Credentials]:
+    """(NATS url, run id, credentials): flags, else the environment (`MonitorSettings`), else
+    the defaults.
 
     Library logs (reconnects, ...) go to stderr and, unless `AREAL_LOG_LEVEL` says otherwise,
     only from ERROR up, so stdout stays data. A bad environment value raises `ConfigError`."""
@@ -37,7 +80,14 @@ def _conn(args: argparse.Namespace) -> tuple[str, str]:
     env = load_monitor_settings()
     setup_logging(level=env.log_level, log_format=env.log_format, role=args.cmd)
     url = args.nats_url or env.nats_url
-    return url, asyncio.run(resolve_run(url, args.run_id or env.run_id))
+    creds = _credentials(getattr(args, "credentials", None) or env.credentials_file, env)
+    return url, asyncio.run(resolve_run(url, args.run_id or env.run_id, creds)), creds
+
+
+def _conn(args: argparse.Namespace) -> tuple[str, str]:
+    """(NATS url, run id) of `_connection`."""
+    url, run_id, _ = _connection(args)
+    return url, run_id
 
 
 def _fail(e: Exception) -> int:
@@ -51,7 +101,7 @@ def cmd_tap(args: argparse.Namespace) -> int:
 
     try:
         stream_of(args.stream)  # a typo fails before any connection
-        url, run_id = _conn(args)
+        url, run_id, creds = _connection(args)
         tok = load_detokenizer(args.tokenizer) if args.tokenizer else None
         fields = [f.strip() for f in args.fields.split(",") if f.strip()] if args.fields else None
         tap = Tap(
@@ -62,7 +112,15 @@ def cmd_tap(args: argparse.Namespace) -> int:
             count=args.count,
         )
         return asyncio.run(
-            run_tap(url, run_id, args.stream, tap=tap, history=args.history, timeout_s=args.timeout)
+            run_tap(
+                url,
+                run_id,
+                args.stream,
+                tap=tap,
+                history=args.history,
+                timeout_s=args.timeout,
+                credentials=creds,
+            )
         )
     except KeyboardInterrupt:
         return 130
@@ -74,9 +132,16 @@ def cmd_top(args: argparse.Namespace) -> int:
     from areal.monitor.top import run_top
 
     try:
-        url, run_id = _conn(args)
+        url, run_id, creds = _connection(args)
         return asyncio.run(
-            run_top(url, run_id, once=args.once, interval_s=args.interval, collect_s=args.collect)
+            run_top(
+                url,
+                run_id,
+                once=args.once,
+                interval_s=args.interval,
+                collect_s=args.collect,
+                credentials=creds,
+            )
         )
     except KeyboardInterrupt:
         return 0
@@ -103,7 +168,7 @@ def cmd_exporter(args: argparse.Namespace) -> int:
     from areal.monitor.writers import MissingExtra, make_writers
 
     try:
-        url, run_id = _conn(args)
+        url, run_id, creds = _connection(args)
         writers = make_writers(
             tensorboard=args.tensorboard, wandb_project=args.wandb, run_name=run_id
         )
@@ -115,6 +180,7 @@ def cmd_exporter(args: argparse.Namespace) -> int:
                 addr=args.addr,
                 interval_s=args.interval,
                 writers=writers,
+                credentials=creds,
             )
         )
     except KeyboardInterrupt:

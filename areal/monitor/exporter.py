@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from areal.bus.auth import NO_CREDENTIALS, Credentials
 from areal.monitor.state import RunState
 
 # name -> (help, step-record key)
@@ -176,12 +177,21 @@ def make_registry() -> tuple[CollectorRegistry, SnapshotCollector]:
 
 
 async def run_exporter(
-    url: str, run_id: str, *, port: int, addr: str, interval_s: float, writers: list | None = None
+    url: str,
+    run_id: str,
+    *,
+    port: int,
+    addr: str,
+    interval_s: float,
+    writers: list | None = None,
+    credentials: Credentials | None = None,
 ) -> int:
     from areal.bus.tap import TapClient
     from areal.monitor.live import attach, check_server, note, refresh
 
-    client = await TapClient.connect(url, run_id, name="areal-exporter", note=note)
+    client = await TapClient.connect(
+        url, run_id, name="areal-exporter", note=note, credentials=credentials or NO_CREDENTIALS
+    )
     writers = writers or []
     try:
         await client.check_run()

@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import asdict
 
+from areal.bus.auth import NO_CREDENTIALS, Credentials
 from areal.bus.codec import DecodeError
 from areal.bus.tap import TapClient, TapMessage, discover_run
 from areal.monitor.format import decode_for
@@ -26,10 +27,12 @@ def note(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-async def resolve_run(url: str, run_id: str | None) -> str:
+async def resolve_run(
+    url: str, run_id: str | None, credentials: Credentials = NO_CREDENTIALS
+) -> str:
     """`run_id` (`--run`, else `AREAL_RUN_ID` through `MonitorSettings`), else the only run on
     the server."""
-    return run_id or await discover_run(url, note=note)
+    return run_id or await discover_run(url, note=note, credentials=credentials)
 
 
 def check_server(client: TapClient, command: str) -> None:

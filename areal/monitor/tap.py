@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal.bus.auth import NO_CREDENTIALS, Credentials
 from areal.bus.codec import DecodeError
 from areal.bus.tap import TapMessage
 from areal.monitor.format import Detokenizer, decode_for, json_line, one_line, to_record
@@ -133,6 +134,7 @@ async def run_tap(
     timeout_s: float | None,
     note: Callable[[str], None] | None = None,
     quiet_s: float = 1.0,
+    credentials: Credentials | None = None,
 ) -> int:
     """Follow `stream` of the run until `tap.count` messages, `timeout_s`, the run's end or the
     server's loss, whichever comes first.
@@ -146,7 +148,9 @@ async def run_tap(
 
     note = note or stderr_note
 
-    client = await TapClient.connect(url, run_id, note=note)
+    client = await TapClient.connect(
+        url, run_id, note=note, credentials=credentials or NO_CREDENTIALS
+    )
     try:
         await client.check_run()
         finished = asyncio.Event()

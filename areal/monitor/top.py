@@ -19,6 +19,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from areal.bus.auth import NO_CREDENTIALS, Credentials
 from areal.monitor.format import fmt_value
 from areal.monitor.state import LIVE_S, ROLES, RunState
 
@@ -68,11 +69,12 @@ def _table(*cols: str) -> Table:
 
 
 def _in_flight(st: RunState) -> str:
-    """Admitted tasks not yet trained, dropped or filtered (from the KV run state)."""
+    """Admitted tasks not yet trained, dropped, filtered or rejected (from the KV run state)."""
     tr, ctrl = st.kv.get("trainer"), st.kv.get("controller")
     if not tr or not ctrl:
         return "-"
-    done = tr.get("trained", 0) + tr.get("dropped_stale", 0) + tr.get("filtered", 0)
+    ended = ("trained", "dropped_stale", "filtered", "rejected")
+    done = sum(tr.get(k, 0) for k in ended)
     return str(ctrl.get("admitted", 0) - done)
 
 
@@ -90,7 +92,8 @@ def run_panel(st: RunState, now: float) -> Panel:
         f"{st.admission.get('outstanding', '-')}  capacity {st.admission.get('capacity', '-')}"
         f"  in flight {_in_flight(st)}",
         f"trained {tr.get('trained', '-')}  dropped_stale {tr.get('dropped_stale', last.get('dropped_stale', '-'))}"
-        f"  filtered {tr.get('filtered', last.get('filtered', '-'))}",
+        f"  filtered {tr.get('filtered', last.get('filtered', '-'))}"
+        f"  rejected {tr.get('rejected', last.get('rejected', 0))}",
     ]
     return Panel(Text("\n".join(lines)), title="Run")
 
@@ -251,11 +254,21 @@ def dashboard(st: RunState, now: float) -> Layout:
     return root
 
 
-async def run_top(url: str, run_id: str, *, once: bool, interval_s: float, collect_s: float) -> int:
+async def run_top(
+    url: str,
+    run_id: str,
+    *,
+    once: bool,
+    interval_s: float,
+    collect_s: float,
+    credentials: Credentials | None = None,
+) -> int:
     from areal.bus.tap import TapClient
     from areal.monitor.live import attach, check_server, note, refresh, refresh_every
 
-    client = await TapClient.connect(url, run_id, name="areal-top", note=note)
+    client = await TapClient.connect(
+        url, run_id, name="areal-top", note=note, credentials=credentials or NO_CREDENTIALS
+    )
     try:
         await client.check_run()
         st = RunState()

@@ -7,7 +7,12 @@ Invariants (see the core for the rule itself):
 - tasks are published with `Nats-Msg-Id` = task id *before* the controller state is persisted,
   so a restart re-publishes at most the last batch and the server de-duplicates it;
 - the trainer's KV record (version, returned slots) is the ground truth for admission: the
-  controller never sees a version whose weights are not announced.
+  controller never sees a version whose weights are not announced;
+- a trainer record is believed only if it could have come from the trainer (`_plausible`): it
+  decodes, its version never goes back and was announced, its returned slots never go back and
+  never exceed the tasks admitted, and `done` comes with `total_steps` reached. Anything else is
+  refused (logged once per reason; the last good record stays), so a write to the run-state
+  bucket by someone else can neither stop, crash nor over-admit the run.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import structlog
 
 from areal.bus.client import Bus
 from areal.bus.codec import pack
+from areal.bus.errors import StateDecodeError
 from areal.core.admission import Admission, AdmissionPolicy
 from areal.services.common import heartbeat_loop
 from schemas import Task
@@ -59,6 +65,7 @@ class Controller:
         self.group_size = group_size
         self.admission = Admission(policy)
         self.trainer = TrainerState()
+        self._refusals: set[str] = set()  # reasons already logged
 
     def make_task(self, seq: int, version: int) -> Task:
         item = self.source.get(seq)  # task k is item k of the seeded order
@@ -90,7 +97,41 @@ class Controller:
         return {**vars(self.admission.view(self.trainer)), "busy_frac": 0.0}
 
     async def _read_trainer(self) -> None:
-        self.trainer = await self.bus.kv_get(TRAINER_KEY, TrainerState) or TrainerState()
+        try:
+            new = await self.bus.kv_get(TRAINER_KEY, TrainerState)
+        except StateDecodeError as e:
+            self._refuse(f"undecodable: {e}")
+            return
+        if new is None:
+            return
+        reason = await self._implausible(new)
+        if reason is not None:
+            self._refuse(reason)
+            return
+        self.trainer = new
+
+    async def _implausible(self, new: TrainerState) -> str | None:
+        """Why `new` cannot be the trainer's record, or None."""
+        old, p = self.trainer, self.admission.policy
+        if new.version < old.version:
+            return f"version went back from {old.version} to {new.version}"
+        if new.returned < old.returned:
+            return f"returned slots went back from {old.returned} to {new.returned}"
+        if new.returned > self.admission.state.admitted:
+            return f"{new.returned} returned slots for {self.admission.state.admitted} admitted"
+        if new.done and new.step < p.total_steps:
+            return f"done at step {new.step} of {p.total_steps}"
+        if new.version > old.version:
+            ann = await self.bus.latest_weights()
+            if ann is None or ann.version < new.version:
+                latest = ann.version if ann is not None else None
+                return f"version {new.version} was never announced (latest: {latest})"
+        return None
+
+    def _refuse(self, reason: str) -> None:
+        if reason not in self._refusals and len(self._refusals) < 100:
+            self._refusals.add(reason)
+            log.error("trainer_state_refused", key=TRAINER_KEY, reason=reason[:300])
 
     async def run(self, stop: asyncio.Event) -> None:
         saved = await self.bus.kv_get(CONTROLLER_KEY, ControllerState)

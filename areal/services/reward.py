@@ -17,11 +17,17 @@ Invariants:
 - A scorer that hangs beyond the alarm's reach, or kills its process, costs a pool reset
   (`pool_resets` in the heartbeat) and a one-by-one re-score of its batch
   (`areal/services/reward_pool.py`); the sample is never lost.
+- A sample is checked against the run before it is scored (`areal.core.validate`): one that does
+  not fit is dead-lettered with the reason, and a rejection marker for its task goes on to the
+  trainer (which retires the task), so one bad sample costs only its own task. A rollout's
+  marker is passed through unscored. A score that is not finite or outside the scorer's declared
+  range counts as a scorer error (reward 0, `verifier["error"]`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 
 import structlog
@@ -29,10 +35,12 @@ import structlog
 from areal.algo.overlong import overlong_penalty
 from areal.bus.client import Bus, Lease
 from areal.bus.codec import unpack
+from areal.core.validate import Bounds, Verdict, check_marker, check_sample
 from areal.rewards.registry import get_reward_fn
 from areal.rewards.scoring import Scored
 from areal.services.common import BusyMeter, heartbeat_loop
 from areal.services.reward_pool import ScoringPool
+from areal.services.samples import rejection_marker
 from schemas import Sample, ScoredSample
 from schemas import subjects as S
 
@@ -68,11 +76,17 @@ class RewardService:
         pool_workers: int,
         batch_size: int = 32,
         overlong: OverlongShaping | None = None,
+        bounds: Bounds | None = None,
+        score_range: tuple[float, float] = (-math.inf, math.inf),
     ) -> None:
         get_reward_fn(fn_name)  # fail fast on a bad spec, in this process
         self.bus, self.fn_name, self.timeout_s = bus, fn_name, timeout_s
         self.pool_workers, self.batch_size = pool_workers, batch_size
         self.overlong = overlong
+        self.bounds = bounds or Bounds(run_id=bus.names.run_id)
+        self.score_range = score_range
+        self._latest: int | None = None  # newest published policy version, as last read
+        self.n_rejected = 0  # samples dead-lettered for not fitting the run
         self.pool = ScoringPool(fn_name, workers=pool_workers, timeout_s=timeout_s)
         self.n_scored = 0  # scored samples published and acked
         self.n_errors = 0  # samples whose scorer raised or timed out (reward 0)
@@ -92,6 +106,10 @@ class RewardService:
         self._queue.append((sample, fut))
         self._wake.set()
         reward, error, secs = await fut
+        lo, hi = self.score_range
+        if error is None and not (math.isfinite(reward) and lo <= reward <= hi):
+            error = f"scorer returned {reward!r}, outside its declared range [{lo:g}, {hi:g}]"
+            reward = 0.0
         detail: dict = {"fn": self.fn_name, "time_s": round(secs, 6)}
         if error is not None:
             detail["error"] = error
@@ -124,7 +142,50 @@ class RewardService:
             if not fut.done():
                 fut.set_result(res)
 
+    async def _check(self, sample: Sample) -> Verdict | None:
+        if self._latest is None:
+            self._latest = await self._latest_version()
+        verdict = check_sample(sample, self.bounds, latest_version=self._latest)
+        if verdict is not None and verdict.stale_view:  # a newer version may be out: look again
+            self._latest = await self._latest_version()
+            verdict = check_sample(sample, self.bounds, latest_version=self._latest)
+        return verdict
+
+    async def _latest_version(self) -> int:
+        ann = await self.bus.latest_weights()
+        return ann.version if ann is not None else 0
+
+    async def _forward_marker(self, sample: Sample, lease: Lease) -> None:
+        verdict = check_marker(sample, self.bounds)
+        if verdict is not None:
+            await lease.dead_letter(verdict.reason)
+            return
+        scored = ScoredSample(
+            sample=sample, reward=0.0, verifier={}, reward_worker_id=self.bus.worker_id
+        )
+        await self.bus.publish(S.REWARDS, scored)
+        await lease.ack()
+
+    async def _refuse(self, sample: Sample, lease: Lease, reason: str) -> None:
+        """Dead-letter `sample`; if it names a task of this run, tell the trainer (marker)."""
+        self.n_rejected += 1
+        g = self.bounds.group_size or sample.group_size
+        if sample.task_id == self.bounds.task_id(sample.task_seq):
+            marker = rejection_marker(
+                sample.task_id, sample.task_seq, g, reason, worker_id=self.bus.worker_id
+            )
+            scored = ScoredSample(sample=marker, reward=0.0, reward_worker_id=self.bus.worker_id)
+            await self.bus.publish(S.REWARDS, scored)
+        await lease.dead_letter(reason)
+
     async def handle(self, sample: Sample, lease: Lease) -> None:
+        if sample.rejected:
+            await self._forward_marker(sample, lease)
+            return
+        verdict = await self._check(sample)
+        if verdict is not None:
+            await self._refuse(sample, lease, verdict.reason)
+            return
         self.meter.start()
         try:
             reward, detail = await self.score(sample)
@@ -166,6 +227,7 @@ class RewardService:
         return {
             "samples": self.n_scored,
             "errors": self.n_errors,
+            "rejected": self.n_rejected,
             "pool_calls": self.pool.n_calls,  # samples / pool_calls = the batching achieved
             "pool_resets": self.pool.n_resets,  # hangs past the backstop, dead scoring processes
             "busy_frac": self.meter.busy_frac(),

@@ -7,7 +7,15 @@ thread under `_lock`.
 
 Invariants (the scheduling ones are the core's):
 - every generated token carries the behaviour log-prob and the policy version that produced it;
-- weights are fetched and verified off the event loop, then handed to the generating thread;
+- weights are fetched and verified off the event loop, then handed to the generating thread:
+  only announcements the trainer signed are fetched (`areal.bus.run_weights`), and only a blob
+  that fits the model whole (`InferenceEngine.check_weights`) is offered, so a refused one
+  changes no parameter and the worker keeps generating on the weights it has;
+- a task is checked against the run before it is scheduled (`areal.core.validate`: token ids in
+  the vocabulary, a prompt that fits the context, a version that was published): one that does
+  not fit is dead-lettered with the reason on its first delivery and a rejection marker goes on
+  for it (the trainer retires the task), so a bad task never reaches the engine, never blocks
+  the scheduler and never fails the tasks generating beside it;
 - a task's message is acked only after all its G samples are published; a redelivery of a task
   in progress here is adopted (held and acked with it), and a task whose sample cannot be
   published, or whose generation fails, is handed back (nak) for another attempt;
@@ -28,11 +36,13 @@ import torch
 
 from areal.bus.client import Bus, Lease
 from areal.bus.codec import unpack
+from areal.bus.errors import WeightsRejected
 from areal.core.scheduling import Joined, Request, Scheduler, SchedulerPolicy
+from areal.core.validate import Bounds, Verdict, check_task
 from areal.engines.base import GenOutput, GenRequest, InferenceEngine, SamplingParams, WeightUpdate
 from areal.services.common import BusyMeter, heartbeat_loop
 from areal.services.evaluation import Evaluator
-from areal.services.samples import sample_of
+from areal.services.samples import rejection_marker, sample_of
 from schemas import Task, WeightAnnouncement
 from schemas import subjects as S
 from schemas.state import EvalClaim, eval_claim_key
@@ -54,11 +64,18 @@ class RolloutService:
         max_concurrent_tasks: int,
         weights_from_bytes: Callable[[bytes], StateDict],
         evaluator: Evaluator | None = None,
+        bounds: Bounds | None = None,
     ) -> None:
         self.bus, self.engine, self.decode_text, self.params = bus, engine, decode_text, params
         self.policy, self.max_concurrent_tasks = policy, max_concurrent_tasks
         self.weights_from_bytes = weights_from_bytes
         self.evaluator = evaluator
+        self.bounds = bounds or Bounds.with_model(
+            engine, run_id=bus.names.run_id, max_new_tokens=params.max_new_tokens
+        )
+        # newest version known to be published: 0 (the initial weights) before any announcement,
+        # since the controller admits at version 0 before the trainer has announced anything
+        self._published = 0
         self.sched: Scheduler[Lease, StateDict] = Scheduler(policy, engine.version)
         self._lock = threading.Lock()
         self._tasks: dict[str, tuple[Task, float]] = {}  # task id -> (task, received at)
@@ -69,7 +86,7 @@ class RolloutService:
         self.meter = BusyMeter()
         self.stats = dict.fromkeys(("samples", "tokens", "interrupts", "reprefill_tokens"), 0)
         self.stats |= {"weight_load_s": 0.0, "weight_loads": 0, "adopted_redeliveries": 0}
-        self.stats |= {"eval_rounds": 0}
+        self.stats |= {"eval_rounds": 0, "rejected_tasks": 0}
 
     # ------------------------------------------------------------------ weights
     def _fetch_covers(self, version: int) -> bool:
@@ -77,6 +94,9 @@ class RolloutService:
         return bool(self._fetching) and max(self._fetching) >= version
 
     async def on_weights(self, ann: WeightAnnouncement) -> None:
+        if self.bus.weights_rejection(ann) is not None:  # not the trainer's (logged): ignore
+            return
+        self._published = max(self._published, ann.version)
         with self._lock:
             if ann.version <= self.sched.known_version or self._fetch_covers(ann.version):
                 return
@@ -84,7 +104,10 @@ class RolloutService:
         t0 = time.perf_counter()
         try:
             data = await self.bus.get_weights(ann)
-            state = await asyncio.to_thread(self.weights_from_bytes, data)
+            state = await asyncio.to_thread(self._decode_checked, data, ann.version)
+        except WeightsRejected as e:  # refused before anything was loaded: current weights stay
+            log.warning("weights_rejected", version=ann.version, reason=str(e))
+            return
         except Exception as e:  # a bad or vanished version: keep generating, a newer one comes
             log.error("weights_load_failed", version=ann.version, error=str(e))
             return
@@ -98,6 +121,16 @@ class RolloutService:
         log.info("weights_fetched", version=ann.version, fetch_s=round(time.perf_counter() - t0, 3))
         self._weights_changed.set()
 
+    def _decode_checked(self, data: bytes, version: int) -> StateDict:
+        """Worker thread: the blob as a state dict that fits the engine's model whole (names,
+        shapes, dtypes, finite values), so a bad blob never reaches the scheduler."""
+        state = self.weights_from_bytes(data)
+        try:
+            self.engine.check_weights(state, version)
+        except ValueError as e:
+            raise WeightsRejected(str(e)) from None
+        return state
+
     async def _await_version(self, version: int, stop: asyncio.Event) -> None:
         self._weights_changed.clear()
         with contextlib.suppress(asyncio.TimeoutError):
@@ -110,8 +143,32 @@ class RolloutService:
                 await self.on_weights(ann)
 
     # ------------------------------------------------------------------ tasks
+    async def _check(self, task: Task) -> Verdict | None:
+        verdict = check_task(task, self.bounds, latest_version=self._published)
+        if verdict is not None and verdict.stale_view:  # an announcement not seen yet?
+            ann = await self.bus.latest_weights()
+            if ann is not None:
+                self._published = max(self._published, ann.version)
+            verdict = check_task(task, self.bounds, latest_version=self._published)
+        return verdict
+
+    async def _refuse(self, task: Task, lease: Lease, reason: str) -> None:
+        """Dead-letter `task`; if it names a task of this run, a marker tells the trainer."""
+        self.stats["rejected_tasks"] += 1
+        if task.task_id == self.bounds.task_id(task.seq):
+            g = self.bounds.group_size or task.group_size
+            marker = rejection_marker(
+                task.task_id, task.seq, g, reason, worker_id=self.bus.worker_id
+            )
+            await self.bus.publish(S.TRAJECTORIES, marker)
+        await lease.dead_letter(reason)
+
     async def handle(self, task: Task, lease: Lease) -> None:
         """File the task; its lease is settled when its samples are published (or it fails)."""
+        verdict = await self._check(task)
+        if verdict is not None:
+            await self._refuse(task, lease, verdict.reason)
+            return
         with self._lock:
             joined = self.sched.on_task(task.task_id, task.group_size, task.admitted_version, lease)
             if joined is Joined.NEW:
@@ -223,8 +280,11 @@ class RolloutService:
             with self._lock:
                 update = self.sched.switch_between_batches(time.monotonic())
             if update is not None:
-                await asyncio.to_thread(self.engine.load_weights, WeightUpdate(*update))
-                log.info("weights_loaded", policy_version=update[0])
+                try:
+                    await asyncio.to_thread(self.engine.load_weights, WeightUpdate(*update))
+                    log.info("weights_loaded", policy_version=update[0])
+                except ValueError as e:  # refused whole (checked before the copy): keep going
+                    log.error("weights_load_failed", version=update[0], error=str(e))
             self.meter.start()
             try:
                 await asyncio.to_thread(

@@ -89,6 +89,7 @@ def make_summary(
         steps=state.step,
         final_version=state.version,
         samples=state.samples,
+        skipped_steps=state.skipped_steps,
         tokens=state.tokens,
         reward_first5=sum(first) / max(1, len(first)),
         reward_last5=sum(last) / max(1, len(last)),

@@ -1,4 +1,5 @@
-"""A finished generation as the `Sample` message the rollout publishes."""
+"""A finished generation as the `Sample` message the rollout publishes, and the rejection marker
+that stands in for a task a stage refused."""
 
 from __future__ import annotations
 
@@ -34,4 +35,25 @@ def sample_of(
             "received_at": received_at,
             "finished_at": time.time(),
         },
+    )
+
+
+def rejection_marker(
+    task_id: str, task_seq: int, group_size: int, reason: str, *, worker_id: str
+) -> Sample:
+    """The stand-in a stage publishes downstream for a task it refused (its own message went to
+    the DLQ): no tokens, `rejected` = why. It carries the task's identity only, so the trainer
+    can retire the task (`rejected`) and the run's accounting stays exact."""
+    empty_i, empty_f = pack([], "int32"), pack([], "float32")
+    return Sample(
+        task_id=task_id,
+        task_seq=task_seq,
+        sample_idx=0,
+        group_size=group_size,
+        prompt_ids=empty_i,
+        output_ids=empty_i,
+        behav_logp=empty_f,
+        versions=empty_i,
+        worker_id=worker_id,
+        rejected=reason[:1000] or "rejected",
     )

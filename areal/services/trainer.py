@@ -11,6 +11,13 @@ Invariants:
   event at once; its slot goes back to admission (KV) once a checkpoint covers it, and the
   trainer checkpoints before it waits for more data, so a slot is never held back long;
 - a scored sample is acked only once a checkpoint covers its effect (`Checkpointer`);
+- nothing reaches the optimizer unchecked (`areal.core.validate`): a scored sample that does not
+  fit the run is dead-lettered with the reason on its first delivery, and if it belongs to a
+  task the controller admitted and that is still open, the task is retired as `rejected` (its
+  slot goes back to admission, so the run still finishes with exact accounting). One that names
+  a task not admitted yet is handed back (the controller records admissions after publishing
+  them) until `nats.max_deliver`, then dead-lettered. A step whose loss or gradient is not
+  finite changes no weight (`skipped_steps`, a `step_skipped` event);
 - a restart resumes from the checkpoint: later step records are dropped from metrics.jsonl
   (they are redone), and if newer weights were already announced the version rolls forward
   past them, so versions stay monotonic;
@@ -32,6 +39,7 @@ import structlog
 
 from areal.bus.client import Bus, Lease
 from areal.core.intake import Filed, Group, Intake, IntakePolicy, Retired
+from areal.core.validate import Bounds, check_scored
 from areal.engines.base import TrainEngine
 from areal.services.batches import to_train_seqs
 from areal.services.checkpoints import Checkpointer
@@ -56,6 +64,7 @@ class TrainerOptions:
     weights_dtype: str = "float32"
     weights_dir: str | None = None  # None: object store; else a shared dir (file:// URIs)
     mask_overlong: bool = False  # samples cut at max_new_tokens get advantage 0 (no gradient)
+    bounds: Bounds | None = None  # what a scored sample must fit; None: identity + finiteness
 
 
 class TrainerService:
@@ -73,15 +82,74 @@ class TrainerService:
         self.meter = BusyMeter()
         self.t_start = time.time()
         self._data = asyncio.Event()
+        self.bounds = opts.bounds or Bounds(
+            run_id=bus.names.run_id, group_size=opts.intake.group_size
+        )
+        self._admitted_seen = 0  # the controller's admitted count, as last read
+        self._overdue_seen: set[int] = set()  # overdue seqs already reported
+        # tasks this much newer than an open one have ended: the open one is lost or stuck
+        self.overdue_horizon = 4 * (opts.intake.max_staleness + 2) * opts.intake.batch_size
 
     async def handle(self, scored: ScoredSample, lease: Lease) -> None:
+        s = scored.sample
+        verdict = check_scored(scored, self.bounds, latest_version=self.intake.state.version)
+        if verdict is not None:
+            await self._refuse(scored, lease, verdict.reason)
+            return
+        if not await self._is_admitted(s.task_seq):
+            await self._not_admitted(scored, lease)
+            return
+        if s.rejected:
+            await self._refuse(scored, lease, f"rejected upstream: {s.rejected}")
+            return
         filed = self.intake.file(scored, lease)
         if filed is Filed.ACK_NOW:
             await lease.ack()
         elif filed is Filed.INVALID:
-            await lease.dead_letter(self.intake.last_error)
+            await self._refuse(scored, lease, self.intake.last_error)
         elif filed is Filed.COMPLETED:
             self._data.set()
+
+    async def _is_admitted(self, seq: int) -> bool:
+        """Task `seq` was admitted by the controller (re-read when it looks too new)."""
+        if seq >= self._admitted_seen:  # a newer admission, or one that never happened
+            self._admitted_seen = max(self._admitted_seen, await self._admitted())
+        return seq < self._admitted_seen
+
+    async def _not_admitted(self, scored: ScoredSample, lease: Lease) -> None:
+        """A sample of a task the controller has not recorded as admitted: its record may be on
+        its way (admissions are recorded after they are published), so wait a little; one that
+        stays unadmitted is a forgery or a message of another incarnation of the run id."""
+        s = scored.sample
+        if lease.num_delivered >= self.bus.settings.max_deliver:
+            await lease.dead_letter(
+                f"sample {s.sample_id[:90]}: task seq {s.task_seq} was never admitted "
+                f"(the controller admitted {self._admitted_seen})"
+            )
+        else:
+            await lease.nak(delay_s=1.0)
+
+    async def _refuse(self, scored: ScoredSample, lease: Lease, reason: str) -> None:
+        """Dead-letter a scored sample that does not fit the run; retire its task if the task is
+        admitted and open (else nothing of the run's accounting changes)."""
+        s = scored.sample
+        own = s.task_id == self.bounds.task_id(s.task_seq) and await self._is_admitted(s.task_seq)
+        if not own:
+            await lease.dead_letter(reason)
+            return
+        filed, retired = self.intake.reject(s.task_id, s.task_seq, lease)
+        if filed is Filed.ACK_NOW:  # the task ended long ago: nothing to account
+            if s.rejected:
+                await lease.ack()
+            else:
+                await lease.dead_letter(reason)
+            return
+        if not s.rejected:  # a marker's own stage dead-lettered the original already
+            await self.bus.dead_letter(lease.stage, lease.msg, reason)  # the lease is held
+        if retired is not None:
+            log.warning("task_rejected", task_id=s.task_id, reason=reason[:300])
+            await self._report_retired([retired], reason=reason)
+            self._data.set()  # the retirement's slot goes back with the next checkpoint
 
     async def _next_batch(self, stop: asyncio.Event) -> list[Group[Lease]] | None:
         while not stop.is_set():
@@ -100,13 +168,14 @@ class TrainerService:
     async def _publish_state(self) -> None:
         await self.bus.kv_put(TRAINER_KEY, self.intake.kv_state())
 
-    async def _report_retired(self, retired: list[Retired]) -> None:
+    async def _report_retired(self, retired: list[Retired], **detail: str) -> None:
         for r in retired:
             await self.bus.event(
                 f"task_{r.reason}",
                 task_id=r.task_id,
                 version=self.intake.state.version,
                 min_version=r.min_version,
+                **detail,
             )
 
     async def step(self, batch: list[Group[Lease]], wait_s: float) -> StepRecord:
@@ -126,9 +195,13 @@ class TrainerService:
         stats = await asyncio.to_thread(self.engine.train_step, seqs, o.max_tokens_per_mb)
         train_s = time.perf_counter() - t0
         self.meter.stop()
+        skipped = bool(stats.get("step_skipped", 0.0))
         self.intake.commit_step(
-            batch, version=self.engine.version, wall_s=time.time() - self.t_start
+            batch, version=self.engine.version, wall_s=time.time() - self.t_start, skipped=skipped
         )
+        if skipped:
+            log.error("step_skipped", step=self.intake.state.step, reason="non-finite loss/grad")
+            await self.bus.event("step_skipped", step=self.intake.state.step)
         publish_s = await self._publish_weights()
         await self._publish_state()
         rec = self.intake.step_record(
@@ -146,6 +219,7 @@ class TrainerService:
         )
         self.metrics.append(rec)
         await self.bus.metric("step", rec.model_dump(exclude_none=True))
+        await self._report_overdue()
         last = rec.step >= o.total_steps
         if rec.step % o.checkpoint_every == 0 or last or self.intake.retired_unwritten:
             await self.checkpoints.save(self.intake, background=not last)
@@ -158,6 +232,16 @@ class TrainerService:
             loss=round(rec.loss, 4),
         )
         return rec
+
+    async def _report_overdue(self) -> None:
+        """Say so, once per task, when an admitted task has not ended long after its
+        neighbours did (`Intake.overdue`): it was lost or is stuck upstream."""
+        for seq in self.intake.overdue(self.overdue_horizon):
+            if seq not in self._overdue_seen and len(self._overdue_seen) < 10_000:
+                self._overdue_seen.add(seq)
+                task_id = self.bounds.task_id(seq)
+                log.warning("task_overdue", task_id=task_id, horizon=self.overdue_horizon)
+                await self.bus.event("task_overdue", task_id=task_id, task_seq=seq)
 
     async def _admitted(self) -> int:
         ctrl = await self.bus.kv_get(CONTROLLER_KEY, ControllerState)
@@ -186,7 +270,8 @@ class TrainerService:
         latest = await self.bus.latest_weights()
         if latest is not None and latest.version > self.engine.version:
             # weights newer than the checkpoint were announced (a crash between publishing and
-            # the next checkpoint): roll forward past them so versions stay monotonic
+            # the next checkpoint): roll forward past them so versions stay monotonic. Only a
+            # trusted announcement counts: `latest_weights` skips any the trainer did not sign
             log.warning(
                 "version_rollforward", checkpoint=self.engine.version, announced=latest.version
             )
@@ -215,6 +300,7 @@ class TrainerService:
             "buffered_groups": len(self.intake.groups),
             "complete_groups": len(self.intake.complete_groups()),
             "held_leases": self.bus.held_leases,
+            "overdue_tasks": len(self.intake.overdue(self.overdue_horizon)),
         }
 
     async def _finish(self) -> RunSummary:

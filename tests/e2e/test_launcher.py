@@ -177,6 +177,8 @@ def test_overwrite_then_resume_a_finished_run_then_extend_it(tmp_path):
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
     assert (out / "final" / "config.json").exists()
     assert b"\x00weights" not in snapshot(out / "final").values()  # the old run's final/ is gone
+    keys_before = snapshot(out / "keys")  # the run's keys (weights signing key, ...)
+    assert keys_before
 
     logs_before = snapshot(out / "logs")
     res = areal(*run_args(out, *sets, "train.total_steps=3", flags=("--resume",)), cwd=work)
@@ -203,3 +205,5 @@ def test_overwrite_then_resume_a_finished_run_then_extend_it(tmp_path):
     assert [r["version"] for r in recs] == [1, 2, 3, 4, 5]
     assert "trainer_resumed" in (out / "logs" / "trainer-0.log").read_text()
     assert json.loads((out / "config.json").read_text())["train"]["total_steps"] == 5
+    # --resume kept the run's keys, and its rollout workers loaded what the trainer signed
+    assert snapshot(out / "keys") == keys_before

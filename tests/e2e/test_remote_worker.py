@@ -2,7 +2,8 @@
 
 The joining rollout worker runs in another working directory, with another cache dir and none
 of the launcher's environment: everything it knows comes from `--join RUN_ID --nats-url URL`
-(the README's scale-out command). It must fetch the run's config and model from the bus, and
+and a copy of its role's credentials file, `--credentials FILE` (the README's scale-out
+command). It must fetch the run's config and model from the bus, and
 produce samples that the trainer trains on; the run must still end with exact accounting.
 """
 
@@ -12,6 +13,7 @@ import asyncio
 import collections
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from areal.bus.auth import Credentials, load_credentials
 from areal.bus.codec import decode
 from areal.bus.tap import TapClient, TapMessage
 from schemas import ScoredSample
@@ -36,9 +39,9 @@ class ScoredBy(threading.Thread):
     """Counts the scored samples on the run's `rewards` stream (the trainer's input) by the
     rollout worker that generated them; a core subscription, so it takes nothing away."""
 
-    def __init__(self, url: str, run_id: str) -> None:
+    def __init__(self, url: str, run_id: str, credentials: Credentials) -> None:
         super().__init__(daemon=True)
-        self.url, self.run_id = url, run_id
+        self.url, self.run_id, self.credentials = url, run_id, credentials
         self.counts: collections.Counter[str] = collections.Counter()
         self.ready, self.stop = threading.Event(), threading.Event()
 
@@ -46,7 +49,9 @@ class ScoredBy(threading.Thread):
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        client = await TapClient.connect(self.url, self.run_id, name="test-scored-by")
+        client = await TapClient.connect(
+            self.url, self.run_id, name="test-scored-by", credentials=self.credentials
+        )
 
         async def on_message(tm: TapMessage) -> None:
             self.counts[decode(tm.data, ScoredSample).sample.worker_id] += 1
@@ -95,12 +100,18 @@ def test_a_worker_elsewhere_joins_with_the_url_and_the_run_id(tmp_path: Path):
         # config.json is written once the run's files are shared, before any worker starts
         wait_for(out / "config.json", launcher, timeout_s=300)
         url = json.loads((out / "config.json").read_text())["nats"]["url"]
-        scored_by = ScoredBy(url, run_id)
+        # the run's per-role accounts: the test reads as the monitor, and the worker elsewhere
+        # is handed a copy of the rollout's credentials file (as the join hint says)
+        keys = out / "keys" / "nats"
+        scored_by = ScoredBy(url, run_id, load_credentials(keys / "monitor.json"))
         scored_by.start()
         assert scored_by.ready.wait(30)
 
         elsewhere = tmp_path / "other-host"
         elsewhere.mkdir()
+        creds = elsewhere / "rollout.json"
+        shutil.copy(keys / "rollout.json", creds)
+        creds.chmod(0o600)
         env = {k: v for k, v in os.environ.items() if not k.startswith("AREAL_")}
         env["AREAL_CACHE_DIR"] = str(elsewhere / "cache")  # not the launcher's cache
         remote_log = elsewhere / "worker.log"
@@ -116,6 +127,8 @@ def test_a_worker_elsewhere_joins_with_the_url_and_the_run_id(tmp_path: Path):
                     run_id,
                     "--nats-url",
                     url,
+                    "--credentials",
+                    str(creds),
                     "--worker-id",
                     REMOTE_ID,
                 ],

@@ -76,8 +76,13 @@ def check_invariants(out: Path, eta: int, B: int) -> dict:
         assert r["trained_on_version"] - r["token_version_min"] <= eta, r
     # every admitted task accounted for exactly once
     assert summary["admitted"] == (
-        summary["trained"] + summary["dropped_stale"] + summary["filtered"] + summary["in_flight"]
+        summary["trained"]
+        + summary["dropped_stale"]
+        + summary["filtered"]
+        + summary["rejected"]
+        + summary["in_flight"]
     )
+    assert summary["rejected"] == 0 and summary["skipped_steps"] == 0
     assert summary["in_flight"] == 0
     assert summary["trained"] == summary["steps"] * B
     assert summary["dlq"] == 0

@@ -230,7 +230,8 @@ async def test_oversized_message_is_refused_with_a_clear_error(nats_url, run_id)
 
 
 async def test_weights_through_a_shared_directory(nats_url, run_id, tmp_path):
-    bus = await make_bus(nats_url, run_id, weights_keep=2)
+    settings = NatsSettings(weights_keep=2)
+    bus = await Bus.connect(nats_url, run_id, "test", "test-0", settings, weights_dir=str(tmp_path))
     for v in range(1, 5):
         ann = await bus.put_weights(v, bytes([v]) * 1000, "float32", step=v, file_dir=str(tmp_path))
     assert ann.uri == f"file://{tmp_path.resolve()}/v4.safetensors"

@@ -188,6 +188,42 @@ async def _status_accounting(raw) -> None:
     assert pull.outstanding == 8  # reset, then asked again for all there is room for
 
 
+async def test_leadership_change_and_reconnect_reissue_the_pulls_at_once(nats_url):
+    """A consumer leader that moved (409 "Leadership Change", no pending count) or a reconnect
+    (another server of the cluster) drops every open request: asked again at the next top-up,
+    not at the requests' expiry."""
+    async with raw_client(nats_url) as raw:
+        pull = PullInbox(raw, "S", "c", batch_cap=8, max_bytes=1 << 20, expires_s=60.0)
+        await pull.top_up(max_inflight=8)
+        assert pull.outstanding == 8
+        with capture_logs() as logs:
+            pull.buf.append(_status("409", None, "Leadership Change"))
+            pull.take()
+        assert pull.outstanding == 0 and pull.wake.is_set()
+        assert not [e for e in logs if e["event"] == "pull_status"]  # expected: not a warning
+        await pull.top_up(max_inflight=8)
+        assert pull.outstanding == 8
+        raw.stats["reconnects"] += 1  # as nats-py counts a reconnect
+        asked = pull.last_expiry
+        with capture_logs() as logs:
+            await pull.top_up(max_inflight=8)
+        # reset, then asked again at once (the old requests' expiry is 60 s away)
+        assert [e["cause"] for e in logs if e["event"] == "pull_reissued"] == ["reconnect"]
+        assert pull.outstanding == 8 and pull.last_expiry > asked
+        pull.last_heard -= 60  # no heartbeat for a minute: the requests' server died
+        with capture_logs() as logs:
+            await pull.top_up(max_inflight=8)
+        assert [e["cause"] for e in logs if e["event"] == "pull_reissued"] == ["heartbeats missed"]
+        assert pull.outstanding == 8
+        pull.buf.append(_status("503", None, "No Responders"))  # JetStream electing: no spin
+        pull.take()
+        await pull.top_up(max_inflight=8)
+        assert pull.outstanding == 0  # not asked again before NO_RESPONDERS_BACKOFF_S
+        pull.not_before = 0.0
+        await pull.top_up(max_inflight=8)
+        assert pull.outstanding == 8
+
+
 async def test_publish_ack_returns_the_stream_sequence(nats_url, run_id):
     bus = await make_bus(nats_url, run_id)  # declares the run's streams
     subject = bus.names.subject(S.TRAJECTORIES)

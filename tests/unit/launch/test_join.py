@@ -88,6 +88,15 @@ def test_the_portable_config_carries_no_host_paths_and_a_resolved_reward(model_d
     assert str(model_dir) not in json.dumps(cfg)
 
 
+def test_the_portable_config_carries_no_credentials(model_dir, data_file, tmp_path):
+    s = settings_for(model_dir, data_file)
+    s.nats.credentials_dir = str(tmp_path / "launcher-keys" / "nats")
+    s.nats.tls_ca_file = str(tmp_path / "launcher-ca.pem")
+    cfg = portable_config(s)
+    assert cfg["nats"]["credentials_dir"] is None and cfg["nats"]["tls_ca_file"] is None
+    assert "launcher-" not in json.dumps(cfg)  # a joining worker passes its own --credentials
+
+
 def test_model_then_data_are_shared_within_the_byte_budget(model_dir, data_file):
     everything = shared_files(settings_for(model_dir, data_file))
     assert sorted(everything) == [

@@ -9,6 +9,7 @@ import pytest
 
 from areal.services.reward import RewardService
 from schemas import Sample
+from schemas.subjects import RunNames
 from tests.factories import make_sample
 
 FN = "tests.unit.services.scorers:picky"
@@ -32,7 +33,9 @@ async def score_all(svc: RewardService, texts: list[str]) -> list[tuple[float, d
 
 @pytest.mark.asyncio
 async def test_samples_arriving_together_share_one_pool_call():
-    svc = RewardService(SimpleNamespace(worker_id="r"), FN, timeout_s=20, pool_workers=1)
+    svc = RewardService(
+        SimpleNamespace(worker_id="r", names=RunNames("r")), FN, timeout_s=20, pool_workers=1
+    )
     try:
         texts = ["7", "8", " 7 ", "boom"] * 10
         out = await score_all(svc, texts)
@@ -48,7 +51,11 @@ async def test_samples_arriving_together_share_one_pool_call():
 @pytest.mark.asyncio
 async def test_a_hanging_scorer_costs_only_its_own_sample():
     svc = RewardService(
-        SimpleNamespace(worker_id="r"), FN, timeout_s=2.0, pool_workers=1, batch_size=8
+        SimpleNamespace(worker_id="r", names=RunNames("r")),
+        FN,
+        timeout_s=2.0,
+        pool_workers=1,
+        batch_size=8,
     )
     try:
         out = await score_all(svc, ["7", "hang", "7", "1"])

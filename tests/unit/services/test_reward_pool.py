@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from areal.services.reward import RewardService
+from schemas.subjects import RunNames
 from tests.unit.services.test_reward_batching import sample, score_all
 
 SCORERS = "tests.unit.services.scorers"
@@ -17,7 +18,7 @@ SCORERS = "tests.unit.services.scorers"
 
 def service(fn: str, *, timeout_s: float, pool_workers: int, batch_size: int) -> RewardService:
     return RewardService(
-        SimpleNamespace(worker_id="r"),
+        SimpleNamespace(worker_id="r", names=RunNames("r")),
         f"{SCORERS}:{fn}",
         timeout_s=timeout_s,
         pool_workers=pool_workers,

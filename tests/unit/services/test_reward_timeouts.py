@@ -15,6 +15,7 @@ import pytest
 
 from areal.rewards.scoring import score_items
 from areal.services.reward import RewardService
+from schemas.subjects import RunNames
 from tests.unit.services.test_reward_batching import sample, score_all
 
 SCORERS = "tests.unit.services.scorers"
@@ -22,7 +23,7 @@ SCORERS = "tests.unit.services.scorers"
 
 def service(fn: str, timeout_s: float) -> RewardService:
     return RewardService(
-        SimpleNamespace(worker_id="r"),
+        SimpleNamespace(worker_id="r", names=RunNames("r")),
         f"{SCORERS}:{fn}",
         timeout_s=timeout_s,
         pool_workers=1,

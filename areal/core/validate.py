@@ -1,0 +1,202 @@
+"""Boundary checks: a message that decodes is still a claim; these check it against the run.
+
+Pure functions over decoded messages and the run's `Bounds`; each returns the reason a message
+does not fit the run (for the dead-letter record), or None. The services run them before a
+message reaches the scheduler, the scorer or the optimizer (DESIGN: nothing untrusted reaches
+the model), and a failure never raises: one bad message costs only itself.
+
+What a message of this run must be:
+- its task id is the run's id for its admission seq (`<run>-t<seq>`), and its group size is
+  the run's G;
+- token ids are integers within the model's vocabulary; a prompt is not empty and leaves room
+  in the model's context for at least one generated token; an output is at most
+  `max_new_tokens` long;
+- behaviour log-probs are finite float32 in `[LOGP_FLOOR, LOGP_SLACK]` (a log-probability is
+  <= 0; the slack absorbs rounding);
+- per-token versions are integers in `[0, latest]`, never decreasing along the sample (weights
+  only move forward), where `latest` is the newest version the checker's caller knows was
+  published: a version from the future is a lie;
+- a reward is finite and within the scorer's declared range.
+
+`latest` and the admitted count come from the run state, which a checker may see late: callers
+re-read the run state and check again before they reject for a future version or seq
+(`Verdict.stale_view`), so a slow view never rejects a legitimate message.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from schemas import PackedArray, Sample, ScoredSample, Task
+
+__all__ = [
+    "LOGP_FLOOR",
+    "Bounds",
+    "Verdict",
+    "check_marker",
+    "check_sample",
+    "check_scored",
+    "check_task",
+]
+
+LOGP_FLOOR = -1e4  # no sampled token of a real model is this unlikely; -1e30 would overflow ratios
+LOGP_SLACK = 1e-3  # log-probs are <= 0; fp rounding of a near-certain token may land just above
+INT_DTYPES = ("int32", "int64")
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the run allows (from its config and its model)."""
+
+    run_id: str
+    group_size: int | None = None  # None: not checked (a stage that does not know G)
+    max_new_tokens: int = 2**31 - 1
+    vocab_size: int | None = None  # None: the checker has no model (token ids not checked)
+    max_seq_len: int | None = None  # the model's context (prompt + output), when known
+    reward_range: tuple[float, float] = (-math.inf, math.inf)
+
+    @classmethod
+    def with_model(cls, model: object, **fields: object) -> Bounds:
+        """`fields` plus the vocabulary and context of an engine that holds the model (its
+        `vocab_size` and `max_seq_len`, where it has them)."""
+        return cls(
+            vocab_size=getattr(model, "vocab_size", None),
+            max_seq_len=getattr(model, "max_seq_len", None),
+            **fields,  # type: ignore[arg-type]
+        )
+
+    def task_id(self, seq: int) -> str:
+        return f"{self.run_id}-t{seq}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A rejection: `reason` for the dead letter; `stale_view` when it rests only on the run
+    state the caller holds (a future version or seq), so a fresher view may accept it."""
+
+    reason: str
+    stale_view: bool = False
+
+
+def _ints(arr: PackedArray, what: str) -> tuple[np.ndarray | None, str | None]:
+    if arr.dtype not in INT_DTYPES:
+        return None, f"{what} has dtype {arr.dtype}, expected one of {INT_DTYPES}"
+    return np.frombuffer(arr.data, dtype="<i4" if arr.dtype == "int32" else "<i8"), None
+
+
+def _check_ids(arr: PackedArray, what: str, b: Bounds) -> str | None:
+    ids, err = _ints(arr, what)
+    if err is not None:
+        return err
+    assert ids is not None
+    if len(ids) and int(ids.min()) < 0:
+        return f"{what} holds a negative token id {int(ids.min())}"
+    if b.vocab_size is not None and len(ids) and int(ids.max()) >= b.vocab_size:
+        return f"{what} holds token id {int(ids.max())}, outside the vocabulary of {b.vocab_size}"
+    return None
+
+
+def _check_prompt(prompt_ids: PackedArray, b: Bounds, what: str) -> str | None:
+    n = len(prompt_ids)
+    if n == 0:
+        return f"{what}: empty prompt_ids"
+    if b.max_seq_len is not None and n >= b.max_seq_len:
+        return f"{what}: prompt of {n} tokens leaves no room in the model's context {b.max_seq_len}"
+    return _check_ids(prompt_ids, f"{what}: prompt_ids", b)
+
+
+def _check_identity(task_id: str, seq: int, group_size: int, b: Bounds, what: str) -> str | None:
+    if task_id != b.task_id(seq):
+        return f"{what}: task id {task_id[:80]!r} is not this run's id for seq {seq}"
+    if b.group_size is not None and group_size != b.group_size:
+        return f"{what}: group_size {group_size} != the run's {b.group_size}"
+    return None
+
+
+def check_task(task: Task, b: Bounds, *, latest_version: int) -> Verdict | None:
+    """A task from `prompts`, before it is scheduled."""
+    what = f"task {task.task_id[:80]}"
+    err = _check_identity(task.task_id, task.seq, task.group_size, b, what)
+    err = err or _check_prompt(task.prompt_ids, b, what)
+    if err is not None:
+        return Verdict(err)
+    if task.admitted_version > latest_version:
+        return Verdict(
+            f"{what}: admitted at version {task.admitted_version}, but the newest published "
+            f"version is {latest_version}",
+            stale_view=True,
+        )
+    return None
+
+
+def check_sample(sample: Sample, b: Bounds, *, latest_version: int) -> Verdict | None:
+    """A sample from `trajectories` (at the reward worker) or inside a scored sample."""
+    if sample.rejected:
+        return check_marker(sample, b)
+    what = f"sample {sample.sample_id[:90]}"
+    err = _check_identity(sample.task_id, sample.task_seq, sample.group_size, b, what)
+    err = err or _check_prompt(sample.prompt_ids, b, what)
+    err = err or _check_ids(sample.output_ids, f"{what}: output_ids", b)
+    if err is not None:
+        return Verdict(err)
+    n = len(sample.output_ids)
+    if n > b.max_new_tokens:
+        return Verdict(f"{what}: {n} output tokens, more than max_new_tokens {b.max_new_tokens}")
+    if b.max_seq_len is not None and len(sample.prompt_ids) + n > b.max_seq_len:
+        return Verdict(f"{what}: prompt + output exceed the model's context {b.max_seq_len}")
+    if sample.behav_logp.dtype != "float32":
+        return Verdict(f"{what}: behav_logp has dtype {sample.behav_logp.dtype}, not float32")
+    if sample.finish_reason not in FINISH_REASONS:
+        return Verdict(
+            f"{what}: finish_reason {sample.finish_reason[:40]!r} not in {FINISH_REASONS}"
+        )
+    logp = np.frombuffer(sample.behav_logp.data, dtype="<f4")
+    if n and not np.isfinite(logp).all():
+        return Verdict(f"{what}: behav_logp holds a non-finite value")
+    if n and (float(logp.max()) > LOGP_SLACK or float(logp.min()) < LOGP_FLOOR):
+        return Verdict(
+            f"{what}: behav_logp outside [{LOGP_FLOOR:g}, 0] "
+            f"(min {float(logp.min()):g}, max {float(logp.max()):g})"
+        )
+    versions, err = _ints(sample.versions, f"{what}: versions")
+    if err is not None:
+        return Verdict(err)
+    assert versions is not None
+    if n and int(versions.min()) < 0:
+        return Verdict(f"{what}: negative policy version {int(versions.min())}")
+    if n > 1 and bool((np.diff(versions) < 0).any()):
+        return Verdict(f"{what}: per-token versions decrease (weights only move forward)")
+    if n and int(versions.max()) > latest_version:
+        return Verdict(
+            f"{what}: generated at version {int(versions.max())}, but the newest published "
+            f"version is {latest_version}",
+            stale_view=True,
+        )
+    if not all(math.isfinite(t) for t in sample.timings.values()):
+        return Verdict(f"{what}: a timing is not finite")
+    return None
+
+
+def check_marker(sample: Sample, b: Bounds) -> Verdict | None:
+    """A rejection marker (`Sample.rejected`): only its identity can be checked."""
+    what = f"rejection marker {sample.task_id[:80]}"
+    err = _check_identity(sample.task_id, sample.task_seq, sample.group_size, b, what)
+    return Verdict(err) if err is not None else None
+
+
+def check_scored(scored: ScoredSample, b: Bounds, *, latest_version: int) -> Verdict | None:
+    """A scored sample from `rewards`, before the trainer files it."""
+    r = scored.reward
+    lo, hi = b.reward_range
+    if not math.isfinite(r):
+        return Verdict(f"sample {scored.sample.sample_id[:90]}: reward {r} is not finite")
+    if not lo <= r <= hi:
+        return Verdict(
+            f"sample {scored.sample.sample_id[:90]}: reward {r:g} outside the scorer's range "
+            f"[{lo:g}, {hi:g}]"
+        )
+    return check_sample(scored.sample, b, latest_version=latest_version)
