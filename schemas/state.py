@@ -35,6 +35,12 @@ class ControllerState(_State):
 
     kind: ClassVar[str] = "controller state"
     admitted: int = Field(0, ge=0, description="tasks published onto `prompts` so far")
+    admitting: int = Field(
+        0,
+        ge=0,
+        description="tasks whose publishing has begun: written before they are published, so "
+        "a stage that sees a task's message can check that the controller meant to admit it",
+    )
 
 
 class TrainerState(_State):

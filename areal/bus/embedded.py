@@ -7,6 +7,9 @@ accounts get in, without one anyone who reaches that address can read and write 
 it; its config file is rewritten identically on a restart (same port, store and accounts); it
 is stopped by its own PID (never by name); it dies with the process that started it
 (PR_SET_PDEATHSIG on Linux), so it never outlives the launcher.
+
+`EmbeddedCluster`: three such servers routed into one JetStream cluster on loopback (for
+`nats.replicas` trials and tests; `python -m areal.bus.embedded --cluster 3`).
 """
 
 from __future__ import annotations
@@ -261,10 +264,30 @@ class EmbeddedCluster:
     def index_of(self, server_name: str) -> int:
         return int(server_name.removeprefix("n"))
 
+    def _live(self) -> list[int]:
+        return [i for i, n in enumerate(self.nodes) if n.proc is not None and n.proc.poll() is None]
+
+    def _settled_leader(self) -> str | None:
+        """The meta leader once every live node names it and it sees every other live node
+        current (a stream of R replicas can then be placed at once), else None."""
+        live = self._live()
+        try:
+            metas = [self.jsz(i).get("meta_cluster") or {} for i in live]
+        except OSError:
+            return None
+        leaders = {m.get("leader") for m in metas}
+        if len(leaders) != 1 or not next(iter(leaders)):
+            return None
+        leader = leaders.pop()
+        own = metas[live.index(self.index_of(leader))] if self.index_of(leader) in live else {}
+        current = [r for r in own.get("replicas") or [] if r.get("current")]
+        return leader if len(current) >= len(live) - 1 else None
+
     def wait_meta_leader(self, timeout_s: float = 30.0) -> str:
+        """The meta leader's name, once the live nodes agree on it and it has them current."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            leader = self.meta_leader()
+            leader = self._settled_leader()
             if leader:
                 return leader
             time.sleep(0.1)
@@ -289,6 +312,7 @@ class EmbeddedCluster:
 
     def restart(self, i: int, timeout_s: float = 30.0) -> None:
         self.nodes[i].start(timeout_s)
+        self.wait_meta_leader(timeout_s)
 
     def stop(self) -> None:
         for node in self.nodes:

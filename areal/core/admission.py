@@ -67,7 +67,7 @@ class Admission:
         """Task `seq` is on the stream (its publish was acknowledged)."""
         if seq != self.state.admitted:
             raise ValueError(f"tasks are admitted in order: expected seq {self.state.admitted}")
-        self.state = ControllerState(admitted=seq + 1)
+        self.state = self.state.model_copy(update={"admitted": seq + 1})
 
     def view(self, trainer: TrainerState) -> AdmissionView:
         p = self.policy

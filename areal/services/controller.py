@@ -5,7 +5,9 @@ publishes what admission allows, persists its own state, and reports.
 
 Invariants (see the core for the rule itself):
 - tasks are published with `Nats-Msg-Id` = task id *before* the controller state is persisted,
-  so a restart re-publishes at most the last batch and the server de-duplicates it;
+  so a restart re-publishes at most the last batch and the server de-duplicates it; the intent
+  (`admitting`: the seqs about to be published) is persisted *before* them, so the trainer can
+  tell a task the controller meant to admit from one it never did, without a race;
 - the trainer's KV record (version, returned slots) is the ground truth for admission: the
   controller never sees a version whose weights are not announced;
 - a trainer record is believed only if it could have come from the trainer (`_plausible`): it
@@ -85,6 +87,9 @@ class Controller:
     async def admit_once(self) -> int:
         """Publish what admission allows now; returns how many tasks were admitted."""
         seqs = self.admission.admissible(self.trainer)
+        if seqs and self.admission.state.admitting < seqs.stop:  # the intent, before the tasks
+            self.admission.state = self.admission.state.model_copy(update={"admitting": seqs.stop})
+            await self.bus.kv_put(CONTROLLER_KEY, self.admission.state)
         for seq in seqs:
             await self.bus.publish(S.PROMPTS, self.make_task(seq, self.trainer.version))
             self.admission.published(seq)

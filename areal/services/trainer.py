@@ -15,9 +15,9 @@ Invariants:
   fit the run is dead-lettered with the reason on its first delivery, and if it belongs to a
   task the controller admitted and that is still open, the task is retired as `rejected` (its
   slot goes back to admission, so the run still finishes with exact accounting). One that names
-  a task not admitted yet is handed back (the controller records admissions after publishing
-  them) until `nats.max_deliver`, then dead-lettered. A step whose loss or gradient is not
-  finite changes no weight (`skipped_steps`, a `step_skipped` event);
+  a task the controller never meant to admit (its intent, `admitting`, is recorded before the
+  task is published) is handed back until `nats.max_deliver`, then dead-lettered. A step whose
+  loss or gradient is not finite changes no weight (`skipped_steps`, a `step_skipped` event);
 - a restart resumes from the checkpoint: later step records are dropped from metrics.jsonl
   (they are redone), and if newer weights were already announced the version rolls forward
   past them, so versions stay monotonic;
@@ -113,13 +113,21 @@ class TrainerService:
     async def _is_admitted(self, seq: int) -> bool:
         """Task `seq` was admitted by the controller (re-read when it looks too new)."""
         if seq >= self._admitted_seen:  # a newer admission, or one that never happened
-            self._admitted_seen = max(self._admitted_seen, await self._admitted())
+            ctrl = await self.bus.kv_get(CONTROLLER_KEY, ControllerState)
+            if ctrl is not None:  # `admitting` is written before the tasks are published
+                bound = max(ctrl.admitted, ctrl.admitting)
+                self._admitted_seen = max(self._admitted_seen, bound)
         return seq < self._admitted_seen
 
     async def _not_admitted(self, scored: ScoredSample, lease: Lease) -> None:
-        """A sample of a task the controller has not recorded as admitted: its record may be on
-        its way (admissions are recorded after they are published), so wait a little; one that
-        stays unadmitted is a forgery or a message of another incarnation of the run id."""
+        """A sample of a task the controller never meant to admit (its intent is recorded before
+        the task is published, so a legitimate sample never lands here unless the run state was
+        rolled back): a forgery or a message of another incarnation of the run id. It is handed
+        back a few times all the same, in case the record is slow to read, then dead-lettered.
+
+        The waits double (1, 2, 4, 8 s with the default 5 deliveries, capped at
+        `nats.publish_timeout_s`).
+        """
         s = scored.sample
         if lease.num_delivered >= self.bus.settings.max_deliver:
             await lease.dead_letter(
@@ -127,7 +135,8 @@ class TrainerService:
                 f"(the controller admitted {self._admitted_seen})"
             )
         else:
-            await lease.nak(delay_s=1.0)
+            delay_s = min(2.0 ** (lease.num_delivered - 1), self.bus.settings.publish_timeout_s)
+            await lease.nak(delay_s=delay_s)
 
     async def _refuse(self, scored: ScoredSample, lease: Lease, reason: str) -> None:
         """Dead-letter a scored sample that does not fit the run; retire its task if the task is

@@ -173,3 +173,23 @@ def test_only_a_non_loopback_url_is_offered_to_other_hosts():
     assert public_url_of("nats://localhost:4222") is None
     assert public_url_of("nats://[::1]:4222") is None
     assert public_url_of("nats://gpu-7.lab:4222") == "nats://gpu-7.lab:4222"
+
+
+def test_of_a_cluster_the_servers_other_hosts_can_reach_are_offered():
+    cluster = "nats://a.lab:4222, nats://127.0.0.1:4223,nats://b.lab:4222"
+    assert public_url_of(cluster) == "nats://a.lab:4222,nats://b.lab:4222"
+    assert public_url_of("nats://127.0.0.1:4222,nats://localhost:4223") is None
+
+
+def test_nats_url_takes_a_list_of_servers_and_replicas_are_bounded():
+    from areal.bus.connection import server_urls
+    from areal.config import NatsSettings
+
+    nats = NatsSettings(url=["nats://a:4222", "nats://b:4222"], replicas=3)
+    assert nats.url == "nats://a:4222,nats://b:4222"
+    assert server_urls(nats.url) == ["nats://a:4222", "nats://b:4222"]
+    assert server_urls("nats://x:1") == ["nats://x:1"]  # one URL: exactly as before
+    assert NatsSettings().replicas == 1
+    for bad in (0, 6):
+        with pytest.raises(ValueError):
+            NatsSettings(replicas=bad)
