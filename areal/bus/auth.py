@@ -133,11 +133,17 @@ def credentials_for(nats: NatsSettings, role: str) -> Credentials:
                 "nats.credentials_file"
             )
         creds = load_credentials(path)
+    return with_tls(creds, nats)
+
+
+def with_tls(creds: Credentials, tls: Any) -> Credentials:
+    """`creds` with the TLS files of `tls` (anything with `tls_ca_file`, `tls_cert_file` and
+    `tls_key_file`: the run's `NatsSettings`, a monitor's settings)."""
     return replace(
         creds,
-        tls_ca_file=nats.tls_ca_file,
-        tls_cert_file=nats.tls_cert_file,
-        tls_key_file=nats.tls_key_file,
+        tls_ca_file=tls.tls_ca_file,
+        tls_cert_file=tls.tls_cert_file,
+        tls_key_file=tls.tls_key_file,
     )
 
 

@@ -43,9 +43,8 @@ MONITOR_CREDENTIALS = ("keys/nats/monitor.json", "monitor.json")  # looked for i
 def _credentials(path: str | None, env) -> Credentials:
     """The monitor's credentials from `path` (a file, or a dir holding one of
     `MONITOR_CREDENTIALS`), with the TLS files of the environment."""
-    from dataclasses import replace
 
-    from areal.bus.auth import NO_CREDENTIALS, load_credentials
+    from areal.bus.auth import NO_CREDENTIALS, load_credentials, with_tls
 
     creds = NO_CREDENTIALS
     if path is not None:
@@ -59,12 +58,7 @@ def _credentials(path: str | None, env) -> Credentials:
                 )
             p = found[0]
         creds = load_credentials(p)
-    return replace(
-        creds,
-        tls_ca_file=env.tls_ca_file,
-        tls_cert_file=env.tls_cert_file,
-        tls_key_file=env.tls_key_file,
-    )
+    return with_tls(creds, env)
 
 
 def _connection(args: argparse.Namespace) -> tuple[str, str, Credentials]:
