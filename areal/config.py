@@ -119,6 +119,15 @@ class NatsSettings(_Part):
         "server is unreachable (restarting, electing a leader) before the worker fails with "
         "the reason (s)",
     )
+    role_lock_ttl_s: float = Field(
+        15.0,
+        ge=1.0,
+        description="a run has one controller and one trainer: each holds a lock in the run "
+        "state, renewed every 1/5 of this (s). A second one that sees it renewed exits with "
+        "an error naming the holder; one whose holder stopped renewing for this long (it "
+        "died) takes over. A restart under the same --worker-id takes over after 2 renewal "
+        "periods. Keep it above the longest stall of a worker's event loop",
+    )
     listen_host: str = Field(
         "127.0.0.1",
         min_length=1,

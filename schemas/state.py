@@ -21,6 +21,7 @@ from schemas.messages import Message
 # KV keys of the run-state bucket
 CONTROLLER_KEY = "controller"
 TRAINER_KEY = "trainer"
+ROLE_LOCK_PREFIX = "lock."  # + role: the one live controller / trainer of the run (RoleLock)
 
 
 class _State(Message):
@@ -76,6 +77,18 @@ class CheckpointState(_State):
     kind: ClassVar[str] = "checkpoint state"
     trainer: TrainerState
     done_tasks: list[str] = Field(default_factory=list)
+
+
+class RoleLockState(_State):
+    """`lock.<role>`: who runs the run's one controller or trainer (`areal.bus.role_lock`).
+    Renewed (a compare-and-set write) every `nats.role_lock_ttl_s / 5`."""
+
+    kind: ClassVar[str] = "role lock"
+    worker_id: str = Field(description="the holder's worker id")
+    host: str = Field(description="the holder's host name")
+    pid: int = Field(ge=0, description="the holder's process id")
+    token: str = Field(description="random per process: tells the holder's own writes apart")
+    renewals: int = Field(0, ge=0, description="renewals so far")
 
 
 class Accounting(BaseModel):

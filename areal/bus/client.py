@@ -507,6 +507,34 @@ class Bus:
             lambda: state.create(key, value), f"claiming {key!r}", f"$KV.{state.bucket}.{key}"
         )
 
+    async def kv_get_rev(self, key: str, model: type[T]) -> tuple[T, int] | None:
+        """`kv_get` with the value's revision (for `kv_update` / `kv_delete`)."""
+        state = await self._run_state()
+        return await self._through_outage(lambda: state.get_rev(key, model), f"reading {key!r}")
+
+    async def kv_create_rev(self, key: str, value: BaseModel) -> int | None:
+        """Create `key`: its revision, None when it has a value. A create whose answer was
+        lost in an outage is retried and then reads as taken (the caller re-reads to tell)."""
+        state = await self._run_state()
+        return await self._through_outage(
+            lambda: state.create_rev(key, value), f"creating {key!r}", f"$KV.{state.bucket}.{key}"
+        )
+
+    async def kv_update(self, key: str, value: BaseModel, last: int) -> int | None:
+        """Compare-and-set: write `key` only if its revision is still `last`; the new
+        revision, or None when it moved (an update whose answer was lost reads as moved)."""
+        state = await self._run_state()
+        return await self._through_outage(
+            lambda: state.update(key, value, last), f"updating {key!r}", f"$KV.{state.bucket}.{key}"
+        )
+
+    async def kv_delete(self, key: str, last: int) -> bool:
+        """Delete `key` only if its revision is still `last`."""
+        state = await self._run_state()
+        return await self._through_outage(
+            lambda: state.delete(key, last), f"deleting {key!r}", f"$KV.{state.bucket}.{key}"
+        )
+
     async def kv_watch(self, key: str) -> KVWatch:
         """Changes of `key` from now on (`KVWatch.wait`); create it before reading the key.
         Rides through a server outage (`_through_outage`)."""

@@ -67,6 +67,11 @@ class RunStateKV:
         self._kv, self.bucket = kv, bucket
 
     async def get(self, key: str, model: type[T]) -> T | None:
+        got = await self.get_rev(key, model)
+        return None if got is None else got[0]
+
+    async def get_rev(self, key: str, model: type[T]) -> tuple[T, int] | None:
+        """`get`, with the revision the value was written at (for `update` / `delete`)."""
         try:
             entry = await self._kv.get(key)
         except (KeyNotFoundError, KeyDeletedError):
@@ -74,7 +79,7 @@ class RunStateKV:
         if not entry.value:  # a delete/purge marker read directly
             return None
         try:
-            return model.model_validate_json(entry.value)
+            return model.model_validate_json(entry.value), entry.revision
         except ValidationError as e:
             errs = "; ".join(
                 f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['msg']}"
@@ -91,8 +96,27 @@ class RunStateKV:
 
     async def create(self, key: str, value: BaseModel) -> bool:
         """Write `key` only if it has no value yet; True if this call wrote it."""
+        return await self.create_rev(key, value) is not None
+
+    async def create_rev(self, key: str, value: BaseModel) -> int | None:
+        """`create`: the revision written, None when `key` already has a value."""
         try:
-            await self._kv.create(key, value.model_dump_json().encode())
+            return await self._kv.create(key, value.model_dump_json().encode())
+        except KeyWrongLastSequenceError:
+            return None
+
+    async def update(self, key: str, value: BaseModel, last: int) -> int | None:
+        """Write `key` only if its revision is still `last` (compare-and-set): the revision
+        written, None when someone else wrote it since."""
+        try:
+            return await self._kv.update(key, value.model_dump_json().encode(), last=last)
+        except KeyWrongLastSequenceError:
+            return None
+
+    async def delete(self, key: str, last: int) -> bool:
+        """Delete `key` only if its revision is still `last`; True if this call deleted it."""
+        try:
+            await self._kv.delete(key, last=last)
         except KeyWrongLastSequenceError:
             return False
         return True

@@ -6,10 +6,10 @@ role's code does on the bus (`Bus`, `RunWeights`, `RunStateKV`, `TapClient`, `ru
 
 | role       | publishes (JetStream)                         | consumes          | KV writes     |
 |------------|-----------------------------------------------|-------------------|---------------|
-| controller | prompts, metrics.controller.*, events         | -                 | controller    |
+| controller | prompts, metrics.controller.*, events         | -                 | controller, lock.controller |
 | rollout    | trajectories, metrics.rollout.*, events, dlq.prompts | prompts    | eval.*        |
 | reward     | rewards, metrics.reward.*, events, dlq.trajectories | trajectories | -            |
-| trainer    | weights (+ weights object store), metrics.trainer.*, events incl. run_finished, dlq.rewards | rewards | trainer |
+| trainer    | weights (+ weights object store), metrics.trainer.*, events incl. run_finished, dlq.rewards | rewards | trainer, lock.trainer |
 | monitor    | nothing (reads streams, KV, subscribes to areal.<run>.>) | -      | -             |
 | launcher   | files object store (what `--join` fetches)    | -                 | -             |
 
@@ -240,6 +240,7 @@ def permissions(role: str, run: str, user: str) -> Permissions:
         pub += _declare(sc)
     if role == "controller":
         pub += [sc.subject(S.PROMPTS), f"$KV.{sc.state_bucket}.controller"]
+        pub += [f"$KV.{sc.state_bucket}.lock.controller"]  # areal.bus.role_lock
     elif role == "rollout":
         pub += _pull(sc.stream(S.PROMPTS), S.CONSUMER_OF[S.PROMPTS])
         pub += [sc.subject(S.TRAJECTORIES), sc.subject(S.DLQ, S.PROMPTS)]
@@ -251,7 +252,7 @@ def permissions(role: str, run: str, user: str) -> Permissions:
     elif role == "trainer":
         pub += _pull(sc.stream(S.REWARDS), S.CONSUMER_OF[S.REWARDS])
         pub += [sc.subject(S.WEIGHTS), sc.subject(S.DLQ, S.REWARDS)]
-        pub += [f"$KV.{sc.state_bucket}.trainer"]
+        pub += [f"$KV.{sc.state_bucket}.trainer", f"$KV.{sc.state_bucket}.lock.trainer"]
         pub += _object_store_write(sc, sc.weights_bucket)
         pub += _follow(sc.stream(S.METRICS))  # replays the rollouts' evaluation records
     if role != "trainer":

@@ -49,6 +49,7 @@ from areal.bus.errors import (
     RunConflictError,
 )
 from areal.bus.nats_config import DECLARERS
+from areal.bus.role_lock import RoleLock, RoleLockHeld, RoleLockLost
 from areal.bus.streams import StorageLimitError
 from areal.config import ConfigError, RunSettings, load_settings, new_worker_id
 from areal.launch.preflight import check_role
@@ -64,6 +65,7 @@ Role = Literal["controller", "rollout", "reward", "trainer"]
 PREPARE_REPORT_S = 30.0
 EXIT_CONFIG = 2  # a deterministic failure: do not restart
 EXIT_BUS_UNAVAILABLE = 3  # the NATS server stayed away past nats.outage_tolerance_s
+SINGLE_ROLES = ("controller", "trainer")  # one per run: they hold a RoleLock while serving
 
 
 class Service(Protocol):
@@ -280,16 +282,31 @@ async def _run(
 
     sub = await bus.subscribe_events("run_finished", on_finished)
     rc = 0
+    lock = (
+        RoleLock(bus, spec.role, worker_id, settings.nats.role_lock_ttl_s)
+        if spec.role in SINGLE_ROLES
+        else None
+    )
     try:
         if spec.role not in DECLARERS and not await bus.wait_declared(stop):
             pass  # stopped before the run's streams existed
+        elif lock is not None and not await lock.acquire(stop):
+            pass  # stopped while waiting out a dead holder
         elif spec.role != "trainer" and not await await_open_run(
             bus, settings.train.total_steps, stop
         ):
             if not stop.is_set():
                 log.info("run_already_finished")
+            if lock is not None:
+                await lock.release()
+        elif lock is not None:
+            await lock.serve(spec.build(parts, bus).run(stop), stop)
         else:
             await spec.build(parts, bus).run(stop)
+    except (RoleLockHeld, RoleLockLost) as e:  # a second controller / trainer: not restarted
+        log.error("worker_refused_single_role", role=spec.role, error=str(e))
+        print(str(e), flush=True)
+        rc = EXIT_CONFIG
     except BusUnavailable as e:  # the server, not this worker: the launcher restarts it freely
         log.error("worker_failed_bus_unavailable", role=spec.role, error=str(e))
         print(f"bus unavailable: {e}", flush=True)
