@@ -132,6 +132,23 @@ class RoleLock:
             return min(self.ttl_s, SAME_ID_PERIODS * self.period_s)
         return self.ttl_s
 
+    async def refuse_if_held(self) -> None:
+        """A cheap look before a long prepare (loading a model): `RoleLockHeld` when the lock
+        is renewed within 1.5 renewal periods; returns when it is free or stands still (its
+        holder may be dead: `acquire` decides later, after the prepare)."""
+        got = await self.bus.kv_get_rev(self.key, RoleLockState)
+        if got is None:
+            return
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 1.5 * self.period_s
+        while loop.time() < until:
+            await asyncio.sleep(POLL_S)
+            now = await self.bus.kv_get_rev(self.key, RoleLockState)
+            if now is None:
+                return
+            if now[1] != got[1]:
+                raise RoleLockHeld(self._held_message(now[0]))
+
     async def _is_mine(self) -> bool:
         """After a write whose answer may have been lost: whether the key holds our token
         (and then take its revision)."""

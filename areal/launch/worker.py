@@ -179,7 +179,13 @@ def run_worker(spec: RoleSpec[P], settings: RunSettings, worker_id: str) -> int:
         check_role(spec.role, settings)
         keys = keys_for_worker(settings, spec.role)  # before prepare: a missing key fails fast
         credentials_for(settings.nats, spec.role)  # so does a missing credentials file
+        if spec.role in SINGLE_ROLES:  # a second trainer is refused before it loads a model
+            asyncio.run(_refuse_if_held(spec.role, settings, worker_id))
         parts = _prepare_reporting(spec, settings, worker_id)
+    except RoleLockHeld as e:
+        log.error("worker_refused_single_role", role=spec.role, error=str(e))
+        print(str(e), flush=True)
+        return EXIT_CONFIG
     except (ConfigError, ImportError) as e:
         if not isinstance(e, ConfigError):
             log.exception("worker_prepare_failed", role=spec.role)
@@ -194,6 +200,28 @@ def run_worker(spec: RoleSpec[P], settings: RunSettings, worker_id: str) -> int:
         log.exception("worker_prepare_failed", role=spec.role)
         return 1
     return asyncio.run(_run(spec, settings, worker_id, parts, keys))
+
+
+async def _refuse_if_held(role: str, settings: RunSettings, worker_id: str) -> None:
+    """`RoleLock.refuse_if_held` on a short connection of its own, before prepare; anything
+    else that goes wrong here (no server yet, no run state yet) is left to `_run`, which
+    acquires the lock for real."""
+    assert settings.nats.url is not None
+    url, ttl_s = settings.nats.url, settings.nats.role_lock_ttl_s
+
+    async def look() -> None:
+        bus = await Bus.connect(url, settings.run_id, role, worker_id, settings.nats, declare=False)
+        try:
+            await RoleLock(bus, role, worker_id, ttl_s).refuse_if_held()
+        finally:
+            await bus.close()
+
+    try:
+        await asyncio.wait_for(look(), 10 + ttl_s)
+    except RoleLockHeld:
+        raise
+    except Exception as e:  # only a look ahead: _run decides
+        log.debug("role_lock_precheck_skipped", role=role, error=repr(e))
 
 
 async def await_open_run(bus: Bus, total_steps: int, stop: asyncio.Event) -> bool:

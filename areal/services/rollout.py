@@ -329,5 +329,7 @@ class RolloutService:
             await sub.unsubscribe()
             if self.evaluator is not None:
                 self.evaluator.close()
+            # what this replica did: `docker compose logs rollout` shows each replica's share
+            log.info("rollout_stopped", **self.stats)
             with contextlib.suppress(asyncio.CancelledError):
                 await gen  # re-raises the loop's failure, if it failed

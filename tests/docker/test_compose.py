@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -127,6 +128,34 @@ def test_k8s_manifests_parse_with_the_expected_kinds():
     assert "Secret" in kinds and "Job" in kinds
 
 
+def test_cluster_override_runs_three_routed_nodes_and_points_every_worker_at_them():
+    base, over = compose(), compose(ROOT / "docker" / "compose.cluster.yml")["services"]
+    nodes = ["nats", "nats-2", "nats-3"]
+    assert set(over) == {*nodes, *WORKER_ROLES}
+    conf = base["services"]["nats"]["command"][1]  # the accounts `setup` wrote, on every node
+    routes = set()
+    for i, n in enumerate(nodes):
+        cmd = over[n]["command"]
+        assert cmd[:2] == ["-c", conf]
+        assert cmd[cmd.index("--server_name") + 1] == f"nats-{i + 1}"
+        routes.add(cmd[cmd.index("--routes") + 1])
+        assert "healthz" in " ".join(over[n]["healthcheck"]["test"])
+        assert "ports" not in over[n]
+    (route_list,) = routes  # one route list, naming every node
+    assert sorted(r.split("//")[1].split(":")[0] for r in route_list.split(",")) == nodes
+    for role in WORKER_ROLES:
+        env = over[role]["environment"]
+        urls = env["AREAL_NATS__URL"].split(",")
+        assert sorted(u.split("//")[1].split(":")[0] for u in urls) == nodes
+        assert env["AREAL_NATS__REPLICAS"] == "3"
+        assert all(over[role]["depends_on"][n]["condition"] == "service_healthy" for n in nodes)
+    settings = load_settings(
+        ROOT / "examples" / "arithmetic.yaml",
+        [f"nats.url={over['trainer']['environment']['AREAL_NATS__URL']}", "nats.replicas=3"],
+    )
+    assert settings.nats.replicas == 3 and settings.nats.url.count(",") == 2
+
+
 # ------------------------------------------------------------------ opt-in: the real stack
 def _docker_answers() -> str | None:
     if shutil.which("docker") is None:
@@ -141,6 +170,23 @@ def _docker_answers() -> str | None:
 
 def _summary(run_id: str) -> dict:
     return json.loads((ROOT / "runs" / run_id / "summary.json").read_text())
+
+
+def _samples_by_replica(logs: str) -> dict[str, int]:
+    """`docker compose logs rollout` -> samples each replica generated (its `rollout_stopped`
+    line), for replicas that generated any."""
+    got: dict[str, int] = {}
+    for ln in logs.splitlines():
+        # json (the image's AREAL_LOG_FORMAT) or console log lines
+        if "rollout_stopped" in ln and (m := re.search(r'(?:"samples": |\bsamples=)(\d+)', ln)):
+            replica = ln.split("|")[0].strip()
+            got[replica] = got.get(replica, 0) + int(m[1])
+    return {k: v for k, v in got.items() if v > 0}
+
+
+def _assert_exact(s: dict, steps: int) -> None:
+    assert s["steps"] == steps and s["in_flight"] == 0 and s["dlq"] == 0, s
+    assert s["admitted"] == s["trained"] + s["dropped_stale"] + s["filtered"] + s["rejected"], s
 
 
 @pytest.mark.e2e
@@ -175,8 +221,7 @@ def test_compose_up_scaled_run_finishes_with_exact_accounting():
         r = up(runs[0], *scale)
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
         s = _summary(runs[0])
-        assert s["steps"] == 10 and s["in_flight"] == 0 and s["dlq"] == 0
-        assert s["admitted"] == s["trained"] + s["dropped_stale"] + s["filtered"] + s["rejected"]
+        _assert_exact(s, 10)
         assert s["trained"] == 10 * 16  # batch_size tasks per step (examples/arithmetic.yaml)
         logs = subprocess.run(
             [*dc, "logs", "--no-color", "rollout"],
@@ -184,8 +229,7 @@ def test_compose_up_scaled_run_finishes_with_exact_accounting():
             capture_output=True,
             text=True,
         ).stdout
-        started = {ln.split("|")[0].strip() for ln in logs.splitlines() if "rollout_started" in ln}
-        assert len(started) == 2, logs[-3000:]  # both replicas ran
+        assert len(_samples_by_replica(logs)) == 2, logs[-3000:]  # both replicas generated
         again = up(runs[0])  # the same, finished run: setup refuses it, naming the fix
         assert again.returncode != 0
         assert 'service "setup" didn\'t complete successfully: exit 2' in again.stderr
@@ -204,3 +248,64 @@ def test_compose_up_scaled_run_finishes_with_exact_accounting():
         subprocess.run([*dc, "down", "-v"], env=env, capture_output=True)
         for run_id in runs:
             shutil.rmtree(ROOT / "runs" / run_id, ignore_errors=True)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_compose_cluster_survives_a_node_kill_and_refuses_a_second_trainer():
+    """The cluster override (three NATS nodes, replicas 3): a 40-step run with 2 rollout
+    replicas; after step 3 a second trainer is started beside the first (`compose run`): it
+    exits 2 naming the holder; then one node is SIGKILLed, and the run finishes exact."""
+    if reason := _docker_answers():
+        pytest.skip(reason)
+    project = f"areal-test-{uuid.uuid4().hex[:6]}"
+    run_id = f"{project}-c"
+    files = ["-f", str(COMPOSE), "-f", str(ROOT / "docker" / "compose.cluster.yml")]
+    if os.environ.get("AREAL_COMPOSE_OVERRIDE"):
+        files += ["-f", os.environ["AREAL_COMPOSE_OVERRIDE"]]
+    dc = ["docker", "compose", "-p", project, *files]
+    env = {**os.environ, "AREAL_TRAIN__TOTAL_STEPS": "40", "AREAL_RUN_ID": run_id}
+    metrics = ROOT / "runs" / run_id / "metrics.jsonl"
+    try:
+        subprocess.run([*dc, "build"], env=env, check=True, capture_output=True)
+        up = subprocess.Popen(
+            [
+                *dc,
+                "up",
+                "--scale",
+                "rollout=2",
+                "--no-attach",
+                "setup",
+                "--exit-code-from",
+                "trainer",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        while up.poll() is None and not (
+            metrics.exists() and len(metrics.read_text().splitlines()) >= 3
+        ):
+            time.sleep(0.5)
+        if up.poll() is not None:
+            out, err = up.communicate()
+            pytest.fail(f"the stack ended before step 3: {out[-4000:]}{err[-4000:]}")
+        dup = subprocess.run(  # refused before it loads its model: one renewal period
+            [*dc, "run", "--rm", "--no-deps", "trainer"], env=env, capture_output=True, text=True
+        )
+        subprocess.run([*dc, "kill", "-s", "SIGKILL", "nats-2"], env=env, check=True)
+        out, err = up.communicate(timeout=3000)  # hang guard
+        assert up.returncode == 0, out[-4000:] + err[-4000:]
+        assert dup.returncode == 2, dup.stdout[-3000:] + dup.stderr[-3000:]
+        assert "already has a trainer: worker 'trainer-0'" in dup.stdout + dup.stderr
+        s = _summary(run_id)
+        _assert_exact(s, 40)
+        logs = subprocess.run(
+            [*dc, "logs", "--no-color", "rollout"], env=env, capture_output=True, text=True
+        ).stdout
+        assert len(_samples_by_replica(logs)) == 2, logs[-3000:]
+    finally:
+        subprocess.run([*dc, "down", "-v"], env=env, capture_output=True)
+        shutil.rmtree(ROOT / "runs" / run_id, ignore_errors=True)

@@ -116,7 +116,8 @@ async def test_a_clean_serve_releases(nats_url, run_id):
 
 async def test_a_second_controller_worker_exits_with_a_config_error(nats_url, run_id, tmp_path):
     """The whole worker path: `areal worker controller` on a run whose controller is alive
-    exits with EXIT_CONFIG (not restarted) and says who holds the run."""
+    exits with EXIT_CONFIG (not restarted) and says who holds the run, before its prepare (a
+    second trainer does not load a model first)."""
     bus = await connect(nats_url, run_id, "controller", "controller-0")
     stop = asyncio.Event()
     lock = RoleLock(bus, "controller", "controller-0", 30.0)
@@ -152,6 +153,7 @@ async def test_a_second_controller_worker_exits_with_a_config_error(nats_url, ru
     assert printed and "already has a controller: worker 'controller-0'" in printed[-1], text[
         -3000:
     ]
+    assert "worker_prepared" not in text  # refused before it prepared anything
     assert (await holder_of(bus, "controller")).worker_id == "controller-0"
     stop.set()
     await renewer
