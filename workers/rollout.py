@@ -98,7 +98,6 @@ def _eval_plan(view: RolloutView, tok: Any, params: Any) -> Any:
 def build(parts: RolloutParts, bus: Bus) -> RolloutService:
     from areal.core.scheduling import SchedulerPolicy
     from areal.core.validate import Bounds
-    from areal.engines.torch_infer import weights_from_safetensors
     from areal.services.evaluation import Evaluator
     from areal.services.rollout import RolloutService
 
@@ -113,7 +112,6 @@ def build(parts: RolloutParts, bus: Bus) -> RolloutService:
             interruptible=r.interruptible, interrupt_min_interval_s=r.interrupt_min_interval_s
         ),
         max_concurrent_tasks=r.max_concurrent_tasks,
-        weights_from_bytes=weights_from_safetensors,
         evaluator=Evaluator(parts.eval_plan) if parts.eval_plan is not None else None,
         bounds=Bounds.with_model(
             parts.engine,

@@ -38,10 +38,11 @@ import nats.js.errors
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, ServiceUnavailableError
 from pydantic import BaseModel
 
 from areal.bus.auth import NO_CREDENTIALS, Credentials, Denials, credentials_for
+from areal.bus.blobs import WeightsBlob, WeightsSink
 from areal.bus.codec import DecodeError, decode, encode
 from areal.bus.connection import connect
 from areal.bus.embedded import MAX_PAYLOAD_BYTES
@@ -67,6 +68,7 @@ from schemas.subjects import RunNames
 log = structlog.get_logger()
 M = TypeVar("M", bound=Message)
 T_ = TypeVar("T_")
+Sk = TypeVar("Sk", bound=WeightsSink)
 # Errors of a server that is restarting, unreachable or electing a leader: retried. (A closed
 # connection is not among them: workers reconnect forever, so it was closed on purpose.) Seen
 # in a 3-node cluster after a SIGKILL of a stream's leader, for ~5 s until the election ends
@@ -87,6 +89,7 @@ __all__ = ["Bus", "BusSubscription", "EventSubscription", "KVWatch", "Lease", "M
 
 
 RETRY_MAX_DELAY_S = 1.0  # most seconds between two tries of an op riding through an outage
+JS_NO_PEERS = 10005  # JetStream's "no suitable peers for placement": fewer servers than replicas
 DLQ_PAYLOAD_MAX = 64 * 1024  # bytes of a dead message kept in its dead letter
 DLQ_REASON_MAX = 4096  # characters of the reason kept
 PULL_BATCH_CAP = 256  # most messages one pull request asks for
@@ -211,17 +214,40 @@ class Bus:
         return bus
 
     async def declare(self) -> None:
-        try:
-            await declare_run(self._js, self.names, self.settings)
-        except nats.errors.TimeoutError:
-            if self._denials.any():  # a refused API call gets no answer: say which, not "timeout"
-                raise self._denials.error(self._denials.last()) from None
-            raise
-        except BadRequestError as e:
-            raise RuntimeError(
-                f"run {self.names.run_id}: JetStream refused the stream/consumer layout ({e}); "
-                "a run id is reused with different settings: choose a new run id"
-            ) from e
+        """Create or update the run's streams, consumers and buckets (`declare_run`, which is
+        idempotent). An outage (no answer, a leader election) is waited out for up to
+        `nats.outage_tolerance_s`, and so is a cluster with fewer JetStream servers up than
+        `nats.replicas` (still forming, or a node down: no peers to place the copies on)."""
+        loop = asyncio.get_running_loop()
+        deadline, attempt = loop.time() + self.settings.outage_tolerance_s, 0
+        while True:
+            try:
+                await declare_run(self._js, self.names, self.settings)
+                return
+            except (*TRANSIENT_ERRORS, ServiceUnavailableError) as e:  # 503: an election
+                if self._denials.any():  # a refused call gets no answer: say which, not "timeout"
+                    raise self._denials.error(self._denials.last()) from None
+                why = f"the NATS server did not answer ({type(e).__name__}): is it up?"
+            except BadRequestError as e:
+                if e.err_code != JS_NO_PEERS:
+                    raise RuntimeError(
+                        f"run {self.names.run_id}: JetStream refused the stream/consumer layout "
+                        f"({e}); a run id is reused with different settings: choose a new run id"
+                    ) from e
+                why = (
+                    f"JetStream found no servers to place nats.replicas={self.settings.replicas} "
+                    "copies on: are that many servers of the cluster up and routed? (or lower "
+                    "nats.replicas)"
+                )
+            if loop.time() + RETRY_MAX_DELAY_S > deadline:
+                raise BusUnavailable(
+                    f"run {self.names.run_id}: declaring its streams for "
+                    f"{self.settings.outage_tolerance_s:.0f} s: {why}"
+                ) from None
+            attempt += 1
+            if attempt == 1 or attempt % 10 == 0:
+                log.warning("declare_waiting", reason=why, attempt=attempt)
+            await asyncio.sleep(RETRY_MAX_DELAY_S)
 
     async def wait_declared(self, stop: asyncio.Event, report_s: float = 30.0) -> bool:
         """Wait until the run's streams and buckets exist (declared by its controller or
@@ -543,10 +569,16 @@ class Bus:
 
     # ---------------------------------------------------------------- weights (`run_weights`)
     async def put_weights(
-        self, version: int, data: bytes, dtype: str, step: int, file_dir: str | None = None
+        self,
+        version: int,
+        data: bytes | WeightsBlob,
+        dtype: str,
+        step: int,
+        file_dir: str | None = None,
     ) -> WeightAnnouncement:
-        """Store weights, then announce them (`RunWeights.put`); rides through a server outage
-        (a stored object is overwritten by the retry, the announcement is de-duplicated)."""
+        """Store weights, then announce them (`RunWeights.put`; a `WeightsBlob` is streamed,
+        never whole in memory); rides through a server outage (a stored object is overwritten
+        by the retry, which streams the blob again; the announcement is de-duplicated)."""
         return await self._through_outage(
             lambda: self._weights.put(version, data, dtype, step, file_dir),
             f"storing weights v{version}",
@@ -562,6 +594,15 @@ class Bus:
         Rides through a server outage (`_through_outage`: a read, safe to repeat)."""
         return await self._through_outage(
             lambda: self._weights.get(ann), f"fetching weights v{ann.version}"
+        )
+
+    async def fetch_weights(self, ann: WeightAnnouncement, open_sink: Callable[[int], Sk]) -> Sk:
+        """Stream the announced weights into a fresh `open_sink(ann.nbytes)` and return it
+        (`RunWeights.fetch`: e.g. a decoder that writes straight into tensors, so the blob is
+        never whole in memory). Trust as for `get_weights`; a retry through a server outage
+        opens a new sink (the partial one is dropped)."""
+        return await self._through_outage(
+            lambda: self._weights.fetch(ann, open_sink), f"fetching weights v{ann.version}"
         )
 
     async def subscribe_weights(

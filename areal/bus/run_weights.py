@@ -6,13 +6,16 @@ the run's keys (`areal.security.keys`) only the trainer's word counts:
 Invariants:
 - weights are stored before they are announced on `areal.<run>.weights`, so an announcement
   always names bytes that exist; only the newest `weights_keep` versions are kept;
-- with keys, every announcement is signed by the trainer (`WeightAnnouncement.signed_payload`),
-  and every reader (`subscribe`, `latest`, `get`) checks the signature before it fetches a byte:
+- with keys, every announcement is signed by the trainer (`WeightAnnouncement.signed_payload`,
+  which holds the blob's SHA-256, taken while the blob streamed out), and every reader
+  (`subscribe`, `latest`, `get`, `fetch`) checks the signature before it fetches a byte:
   an unsigned or badly signed one is logged (`weights_rejected`, with the reason) and ignored,
   so a forged version, however high, never reaches a caller and never holds back a real one;
 - a fetch reads at most the announced size: a `file://` URI only names a regular file under the
   weights dir (`file_root`, symlinks resolved, no `..`) whose size is the announced one, an
   object only one of that size; the digest is taken while reading and checked before returning;
+- weights stream both ways (`WeightsBlob` out, `WeightsSink` in): neither side ever holds the
+  whole blob in memory, let alone twice (`fetch` into a decoder holds only the tensors);
 - `latest` is the trusted announcement of the highest version among those the stream holds;
   None only when it holds none (nothing announced yet, or nothing the trainer signed); any other
   failure raises (a restoring trainer must not take it for "no weights");
@@ -27,6 +30,7 @@ import os
 import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePosixPath
+from typing import TypeVar
 
 import nats.errors
 import structlog
@@ -36,10 +40,11 @@ from nats.js.api import DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
 from areal.bus.auth import NO_CREDENTIALS, Credentials
+from areal.bus.blobs import CHUNK_BYTES, BytesBlob, BytesSink, WeightsBlob, WeightsSink
 from areal.bus.codec import DecodeError, decode
 from areal.bus.errors import WeightsRejected
 from areal.bus.events import BusSubscription
-from areal.bus.weights import CHUNK_BYTES, WeightsChannel
+from areal.bus.weights import WeightsChannel
 from areal.security.keys import RunKeys
 from schemas import WeightAnnouncement
 from schemas import subjects as S
@@ -51,13 +56,30 @@ NO_MESSAGE_FOUND = 10037  # JetStream error code of a direct get with nothing to
 LATEST_SCAN = 256  # most announcements `latest` looks back over (the stream keeps fewer)
 UNSIGNED = "no run keys (security.sign_weights=false): weights are neither signed nor verified"
 Announce = Callable[[WeightAnnouncement], Awaitable[None]]
+Sk = TypeVar("Sk", bound=WeightsSink)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, blob: WeightsBlob) -> str:
+    """Write `blob` to `path` chunk by chunk through a temp file renamed into place (readers
+    never see a partial file); returns its SHA-256 (hex), taken while writing."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    digest, n = hashlib.sha256(), 0
+    try:
+        with tmp.open("wb") as f:
+            for chunk in blob.chunks():
+                f.write(chunk)
+                digest.update(chunk)
+                n += len(chunk)
+        if n != blob.nbytes:
+            raise RuntimeError(
+                f"weights {path.name}: the blob produced {n} bytes, said {blob.nbytes}"
+            )
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return digest.hexdigest()
 
 
 def weights_file(uri: str, file_root: str | os.PathLike | None) -> Path:
@@ -86,10 +108,10 @@ def weights_file(uri: str, file_root: str | os.PathLike | None) -> Path:
     return path
 
 
-def read_weights_file(path: Path, nbytes: int) -> tuple[bytes, str]:
-    """(content, sha256) of the regular file `path`, which must hold exactly `nbytes` bytes;
-    reads at most `nbytes + 1` bytes (none when its size already differs), hashing as it goes.
-    A fifo, a device or a symlink (`path` is resolved) is refused without a read."""
+def read_weights_file_into(path: Path, nbytes: int, sink: WeightsSink) -> None:
+    """Stream the regular file `path`, which must hold exactly `nbytes` bytes, into `sink` in
+    `CHUNK_BYTES` pieces; reads at most `nbytes + 1` bytes (none when its size already
+    differs). A fifo, a device or a symlink (`path` is resolved) is refused without a read."""
     # O_NONBLOCK: opening a fifo must not wait for a writer (it is refused right after)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb", buffering=0) as f:
@@ -100,17 +122,43 @@ def read_weights_file(path: Path, nbytes: int) -> tuple[bytes, str]:
             raise WeightsRejected(
                 f"weights file {path} holds {st.st_size} bytes, {nbytes} were announced"
             )
-        buf = bytearray(nbytes + 1)  # one byte more: a file that grew shows it
-        view, digest, n = memoryview(buf), hashlib.sha256(), 0
-        while n <= nbytes:
-            got = f.readinto(view[n : min(n + CHUNK_BYTES, nbytes + 1)])
+        buf = memoryview(bytearray(min(CHUNK_BYTES, nbytes) + 1))
+        n = 0
+        while n < nbytes:
+            got = f.readinto(buf[: min(CHUNK_BYTES, nbytes - n)])
             if not got:
                 break
-            digest.update(view[n : n + got])
+            sink.write(buf[:got])
             n += got
-    if n != nbytes:
+        grew = f.readinto(buf[:1]) if n == nbytes else 0  # one byte more: a file that grew
+    if n != nbytes or grew:
         raise WeightsRejected(f"weights file {path} changed size while read ({nbytes} announced)")
-    return bytes(view[:n]), digest.hexdigest()
+
+
+class _Verifying:
+    """Passes bytes on to `sink`, hashing and counting them; refuses a byte past the announced
+    size; `verify` raises unless exactly the announced bytes (size and SHA-256) went through."""
+
+    def __init__(self, sink: WeightsSink, ann: WeightAnnouncement) -> None:
+        self.sink, self.ann = sink, ann
+        self._digest, self.n = hashlib.sha256(), 0
+
+    def write(self, chunk: memoryview) -> None:
+        if self.n + len(chunk) > self.ann.nbytes:
+            raise WeightsRejected(
+                f"weights v{self.ann.version} hold more than the {self.ann.nbytes} bytes announced"
+            )
+        self._digest.update(chunk)
+        self.n += len(chunk)
+        self.sink.write(chunk)
+
+    def verify(self) -> None:
+        sha = self._digest.hexdigest()
+        if sha != self.ann.sha256 or self.n != self.ann.nbytes:
+            raise WeightsRejected(
+                f"weights v{self.ann.version} failed verification: sha256 {sha[:12]} != "
+                f"{self.ann.sha256[:12]} or {self.n} != {self.ann.nbytes} bytes"
+            )
 
 
 class RunWeights:
@@ -183,31 +231,38 @@ class RunWeights:
         )
 
     async def put(
-        self, version: int, data: bytes, dtype: str, step: int, file_dir: str | None = None
+        self,
+        version: int,
+        data: bytes | WeightsBlob,
+        dtype: str,
+        step: int,
+        file_dir: str | None = None,
     ) -> WeightAnnouncement:
         """Store weights, then announce them (in that order).
 
         By default in the run's object store; with `file_dir` (a filesystem every rollout worker
         sees, e.g. for very large models) as `<file_dir>/v<version>.safetensors`, written
-        atomically. Only the newest `weights_keep` versions are kept either way.
+        atomically. Only the newest `weights_keep` versions are kept either way. `data` is
+        streamed (a `WeightsBlob` is never whole in memory here); its SHA-256 is taken on the
+        way, and the signature covers it (`WeightAnnouncement.signed_payload`).
         """
         if self.keys is not None and self.keys.signing_key is None:
             raise RuntimeError(
                 "this worker's run keys have no signing key: only the trainer publishes weights "
                 "(it loads weights_signing.key from security.keys_dir)"
             )
+        blob = BytesBlob(data) if isinstance(data, bytes | bytearray | memoryview) else data
         name = f"v{version}"
-        sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         if file_dir is None:
-            await (await self._weights_channel()).put(name, data)
+            sha = await (await self._weights_channel()).put(name, blob)
             uri = f"nats-obj://{self.names.weights_bucket}/{name}"
         else:
             path = Path(file_dir).resolve() / f"{name}.safetensors"
-            await asyncio.to_thread(_write_atomic, path, data)
+            sha = await asyncio.to_thread(_write_atomic, path, blob)
             uri = f"file://{path}"
         ann = self._signed(
             WeightAnnouncement(
-                version=version, uri=uri, sha256=sha, bytes=len(data), dtype=dtype, step=step
+                version=version, uri=uri, sha256=sha, bytes=blob.nbytes, dtype=dtype, step=step
             )
         )
         await self._announce(ann)
@@ -230,17 +285,26 @@ class RunWeights:
             log.warning("old_weights_not_deleted", name=name, error=f"{type(e).__name__}: {e}")
 
     async def get(self, ann: WeightAnnouncement) -> bytes:
-        """Fetch the announced weights: the signature is checked before any byte is read, at
-        most the announced size is read, and the digest is checked before returning
-        (`WeightsRejected` for an announcement or a blob not to trust)."""
+        """The announced weights as bytes (`fetch` into memory; small blobs, tests)."""
+        return (await self.fetch(ann, lambda _nbytes: BytesSink())).value()
+
+    async def fetch(self, ann: WeightAnnouncement, open_sink: Callable[[int], Sk]) -> Sk:
+        """Stream the announced weights into `open_sink(ann.nbytes)` and return that sink.
+
+        The signature is checked before the sink is opened or any byte is read, the sink never
+        receives more than the announced size, and the size and digest are checked before
+        returning (`WeightsRejected` for an announcement or a blob not to trust: the sink's
+        content is then to be dropped)."""
         self._check(ann)
+        sink = open_sink(ann.nbytes)
+        verifying = _Verifying(sink, ann)
         if ann.uri.startswith("file://"):
             path = weights_file(ann.uri, self.file_root)
-            data, sha = await asyncio.to_thread(read_weights_file, path, ann.nbytes)
+            await asyncio.to_thread(read_weights_file_into, path, ann.nbytes, verifying)
         elif ann.uri.startswith("nats-obj://"):
             bucket, _, name = ann.uri[len("nats-obj://") :].partition("/")
             if bucket == self.names.weights_bucket:
-                data = await (await self._weights_channel()).get(name, ann.nbytes)
+                await (await self._weights_channel()).read_into(name, ann.nbytes, verifying)
             else:  # another run's weights (e.g. to start from them): the library's reader
                 obs = await self._js.object_store(bucket)
                 size = (await obs.get_info(name)).size or 0
@@ -249,16 +313,11 @@ class RunWeights:
                         f"object {name} in bucket {bucket} holds {size} bytes, "
                         f"{ann.nbytes} were announced"
                     )
-                data = (await obs.get(name)).data or b""
-            sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+                verifying.write(memoryview((await obs.get(name)).data or b""))
         else:
             raise WeightsRejected(f"unsupported weights uri {ann.uri[:200]!r}")
-        if sha != ann.sha256 or len(data) != ann.nbytes:
-            raise WeightsRejected(
-                f"weights v{ann.version} failed verification: sha256 {sha[:12]} != "
-                f"{ann.sha256[:12]} or {len(data)} != {ann.nbytes} bytes"
-            )
-        return data
+        verifying.verify()
+        return sink
 
     async def _weights_channel(self) -> WeightsChannel:
         """The run's object-store weights on their own connection and thread (`weights.py`)."""

@@ -167,10 +167,15 @@ class TorchTrainEngine:
         return stats
 
     # ------------------------------------------------------------ serialisation
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights as CPU tensors (what `weights_stream.export_blob` streams to the wire,
+        cast block by block: no second, whole blob in memory)."""
+        return export_state_dict(self.model)
+
     def export_safetensors(self) -> bytes:
         from safetensors.torch import save
 
-        return save(export_state_dict(self.model))
+        return save(self.export_state_dict())
 
     def save_pretrained(self, path: str) -> None:
         """HF directory at ``path`` (``hf_io.save_hf_dir``: config + safetensors + tokenizer and

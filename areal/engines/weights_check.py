@@ -8,6 +8,13 @@ a state dict that passes, so a refused blob changes nothing.
 Checked: every expected name present and no other; every shape equal; every dtype of the same
 kind (a floating tensor for a floating parameter, cast on copy; any other dtype exactly equal);
 every floating value finite (one NaN or inf refuses the blob).
+
+Checked once: a rollout worker checks a fetched blob before offering it (`check_weights`) and
+the engine checks it again in `load_weights`. The names, shapes and dtypes are cheap to check
+twice; the finiteness scan reads every byte (a second of the generating thread for a 3 GiB
+model). A `FrozenStateDict` (what the fetch path hands over) records that its values passed the
+scan, so the second check skips it. It refuses any change of its keys; its tensors are ours
+(decoded from the fetched blob) and nothing writes to them between the two checks.
 """
 
 from __future__ import annotations
@@ -20,13 +27,52 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TensorSpec", "WeightsMismatch", "check_state_dict", "spec_of", "spec_of_hf_dir"]
+__all__ = [
+    "FrozenStateDict",
+    "TensorSpec",
+    "WeightsMismatch",
+    "all_finite",
+    "check_state_dict",
+    "spec_of",
+    "spec_of_hf_dir",
+]
 
 SHOW = 5  # names shown per problem
+FINITE_BLOCK = 1 << 24  # elements per block of the finiteness scan
 
 
 class WeightsMismatch(ValueError):
     """A state dict that does not fit the model (nothing was copied)."""
+
+
+class FrozenStateDict(dict):
+    """A state dict whose keys never change, that remembers whether `check_state_dict` found
+    every floating value finite (`finite_checked`), so the scan runs once per blob."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.finite_checked = False
+
+    def _refuse(self, *_args, **_kwargs):
+        raise TypeError("a FrozenStateDict is read-only: copy it (dict(sd)) to change it")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+    __ior__ = _refuse
+
+    def __reduce__(self):  # a pickled or copied one is a plain dict (scanned again if checked)
+        return (dict, (dict(self),))
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in the floating tensor `t`, scanned in blocks. A block's sum is finite
+    unless it holds a NaN or an inf (10-30x faster than `isfinite` on a CPU, no bool mask the
+    size of the tensor), or its finite values overflow the dtype: then `isfinite` decides."""
+    flat = t.reshape(-1)
+    for i in range(0, flat.numel(), FINITE_BLOCK):
+        block = flat[i : i + FINITE_BLOCK]
+        if not bool(block.sum().isfinite()) and not bool(torch.isfinite(block).all()):
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -88,7 +134,9 @@ def check_state_dict(
     what: str = "weights",
 ) -> None:
     """Raise `WeightsMismatch` naming every problem kind unless `state_dict` fits `spec`
-    (names in `optional` may be absent). Reads every tensor once (the finiteness check)."""
+    (names in `optional` may be absent). Reads every tensor once (the finiteness check), unless
+    it is a `FrozenStateDict` that already passed that scan."""
+    scan = not (isinstance(state_dict, FrozenStateDict) and state_dict.finite_checked)
     problems = []
     missing = sorted(set(spec) - set(state_dict) - optional)
     unexpected = sorted(set(state_dict) - set(spec))
@@ -111,7 +159,7 @@ def check_state_dict(
         ):
             dtypes.append(f"{name} {got_dtype} for {want.dtype}")
             continue
-        if got.is_floating_point() and not bool(torch.isfinite(got).all()):
+        if scan and got.is_floating_point() and not all_finite(got):
             not_finite.append(name)
     for label, items in (("shape", shapes), ("dtype", dtypes), ("NaN or inf in", not_finite)):
         if items:
@@ -121,3 +169,5 @@ def check_state_dict(
             f"{what} do not fit the model: {'; '.join(problems)} (nothing was loaded; export "
             "them with the trainer of the same architecture)"
         )
+    if isinstance(state_dict, FrozenStateDict):
+        state_dict.finite_checked = True  # every tensor was scanned (no name is unexpected)

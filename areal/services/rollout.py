@@ -11,6 +11,9 @@ Invariants (the scheduling ones are the core's):
   only announcements the trainer signed are fetched (`areal.bus.run_weights`), and only a blob
   that fits the model whole (`InferenceEngine.check_weights`) is offered, so a refused one
   changes no parameter and the worker keeps generating on the weights it has;
+- weights stream into tensors as they arrive (`areal.engines.weights_stream.SafetensorsSink`):
+  the blob is never whole in memory; their values are scanned for NaN/inf once per version,
+  here (the `FrozenStateDict` offered lets the engine's `load_weights` skip a second scan);
 - a task is checked against the run before it is scheduled (`areal.core.validate`: token ids in
   the vocabulary, a prompt that fits the context, a version that was published): one that does
   not fit is dead-lettered with the reason on its first delivery and a rejection marker goes on
@@ -40,6 +43,8 @@ from areal.bus.errors import WeightsRejected
 from areal.core.scheduling import Joined, Request, Scheduler, SchedulerPolicy
 from areal.core.validate import Bounds, Verdict, check_task
 from areal.engines.base import GenOutput, GenRequest, InferenceEngine, SamplingParams, WeightUpdate
+from areal.engines.weights_check import FrozenStateDict
+from areal.engines.weights_stream import MalformedWeights, SafetensorsSink
 from areal.services.common import BusyMeter, heartbeat_loop
 from areal.services.evaluation import Evaluator
 from areal.services.samples import rejection_marker, sample_of
@@ -62,12 +67,13 @@ class RolloutService:
         *,
         policy: SchedulerPolicy,
         max_concurrent_tasks: int,
-        weights_from_bytes: Callable[[bytes], StateDict],
+        weights_from_bytes: Callable[[bytes], StateDict] | None = None,
         evaluator: Evaluator | None = None,
         bounds: Bounds | None = None,
     ) -> None:
         self.bus, self.engine, self.decode_text, self.params = bus, engine, decode_text, params
         self.policy, self.max_concurrent_tasks = policy, max_concurrent_tasks
+        # None: stream safetensors into tensors (`_fetch`); a decoder: fetch whole, decode it
         self.weights_from_bytes = weights_from_bytes
         self.evaluator = evaluator
         self.bounds = bounds or Bounds.with_model(
@@ -103,9 +109,9 @@ class RolloutService:
             self._fetching.add(ann.version)
         t0 = time.perf_counter()
         try:
-            data = await self.bus.get_weights(ann)
-            state = await asyncio.to_thread(self._decode_checked, data, ann.version)
-        except WeightsRejected as e:  # refused before anything was loaded: current weights stay
+            state = await self._fetch(ann)
+            await asyncio.to_thread(self._check_weights, state, ann.version)
+        except (WeightsRejected, MalformedWeights) as e:  # nothing was loaded: current weights stay
             log.warning("weights_rejected", version=ann.version, reason=str(e))
             return
         except Exception as e:  # a bad or vanished version: keep generating, a newer one comes
@@ -116,20 +122,30 @@ class RolloutService:
                 self._fetching.discard(ann.version)
         with self._lock:
             self.sched.offer_weights(ann.version, state)
-        self.stats["weight_load_s"] += time.perf_counter() - t0
+        fetch_s = time.perf_counter() - t0
+        self.stats["weight_load_s"] += fetch_s
         self.stats["weight_loads"] += 1
-        log.info("weights_fetched", version=ann.version, fetch_s=round(time.perf_counter() - t0, 3))
+        mib_s = ann.nbytes / 2**20 / max(fetch_s, 1e-9)
+        log.info(
+            "weights_fetched", version=ann.version, fetch_s=round(fetch_s, 3), mib_s=round(mib_s)
+        )
         self._weights_changed.set()
 
-    def _decode_checked(self, data: bytes, version: int) -> StateDict:
-        """Worker thread: the blob as a state dict that fits the engine's model whole (names,
-        shapes, dtypes, finite values), so a bad blob never reaches the scheduler."""
-        state = self.weights_from_bytes(data)
+    async def _fetch(self, ann: WeightAnnouncement) -> FrozenStateDict:
+        """The announced weights, verified (`Bus.fetch_weights`): streamed straight into
+        tensors, or with `weights_from_bytes` fetched whole and decoded in a worker thread."""
+        if self.weights_from_bytes is None:
+            return (await self.bus.fetch_weights(ann, SafetensorsSink)).state_dict()
+        data = await self.bus.get_weights(ann)
+        return FrozenStateDict(await asyncio.to_thread(self.weights_from_bytes, data))
+
+    def _check_weights(self, state: FrozenStateDict, version: int) -> None:
+        """Worker thread: the state dict must fit the engine's model whole (names, shapes,
+        dtypes, finite values), so a bad blob never reaches the scheduler."""
         try:
             self.engine.check_weights(state, version)
         except ValueError as e:
             raise WeightsRejected(str(e)) from None
-        return state
 
     async def _await_version(self, version: int, stop: asyncio.Event) -> None:
         self._weights_changed.clear()

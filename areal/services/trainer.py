@@ -41,6 +41,7 @@ from areal.bus.client import Bus, Lease
 from areal.core.intake import Filed, Group, Intake, IntakePolicy, Retired
 from areal.core.validate import Bounds, check_scored
 from areal.engines.base import TrainEngine
+from areal.engines.weights_stream import export_blob, wire_dtype_of
 from areal.services.batches import to_train_seqs
 from areal.services.checkpoints import Checkpointer
 from areal.services.common import BusyMeter, heartbeat_loop
@@ -61,7 +62,8 @@ class TrainerOptions:
     checkpoint_retry_s: float = 300.0  # a failing checkpoint write is retried this long
     adv_norm_std: bool = True
     adv_batch_norm: bool = False
-    weights_dtype: str = "float32"
+    weights_dtype: str = "float32"  # what the engine holds (`model.dtype`)
+    wire_dtype: str = "auto"  # floating weights on the wire (`weights.wire_dtype`; auto: as held)
     weights_dir: str | None = None  # None: object store; else a shared dir (file:// URIs)
     mask_overlong: bool = False  # samples cut at max_new_tokens get advantage 0 (no gradient)
     bounds: Bounds | None = None  # what a scored sample must fit; None: identity + finiteness
@@ -257,12 +259,15 @@ class TrainerService:
         return ctrl.admitted if ctrl is not None else 0
 
     async def _publish_weights(self) -> float:
+        """Export and stream the weights out (cast to the wire dtype one tensor at a time, the
+        blob never whole in memory: `weights_stream.export_blob`), then announce them."""
         t0 = time.perf_counter()
-        data = await asyncio.to_thread(self.engine.export_safetensors)
+        wire = wire_dtype_of(self.opts.wire_dtype, self.opts.weights_dtype)
+        blob = await asyncio.to_thread(export_blob, self.engine, wire)
         await self.bus.put_weights(
             self.engine.version,
-            data,
-            self.opts.weights_dtype,
+            blob,
+            wire,
             self.intake.state.step,
             file_dir=self.opts.weights_dir,
         )

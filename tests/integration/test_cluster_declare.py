@@ -53,3 +53,35 @@ async def test_a_run_on_a_cluster_keeps_three_copies_and_redeclares_idempotently
         buckets = {f"KV_{names.state_bucket}", f"OBJ_{names.weights_bucket}"}
         assert all(c.split()[0] == "add_stream" and c.split()[1] in buckets for c in calls), calls
     await bus.close()
+
+
+async def test_a_run_declared_before_the_cluster_has_formed_waits_for_it(tmp_path):
+    """Two of three nodes up, the third never seen yet (a compose stack starting): the meta
+    layer has no leader yet, or three copies have nowhere to go (JetStream's "no suitable peers
+    for placement", what the compose cluster hit). The declare waits, as for an outage, and
+    completes once the third node joins; neither is mistaken for a run id reused with other
+    settings, nor fails the worker."""
+    import asyncio
+
+    from structlog.testing import capture_logs
+
+    cluster = EmbeddedCluster(tmp_path / "forming")
+    try:
+        for node in cluster.nodes[:2]:
+            node.start()
+        nats = NatsSettings(replicas=3)
+        with capture_logs() as logs:
+            connect = asyncio.create_task(
+                Bus.connect(",".join(cluster.urls[:2]), "late-peer", "controller", "c0", nats)
+            )
+            while not any(e["event"] == "declare_waiting" for e in logs):
+                assert not connect.done(), connect.result()  # hang guard below; never early
+                await asyncio.sleep(0.2)
+            cluster.restart(2)  # its first start
+            bus = await asyncio.wait_for(connect, 120)  # hang guard
+        async with raw_client(cluster.urls[2]) as raw:
+            info = await raw.jetstream().stream_info(RunNames("late-peer").stream(S.PROMPTS))
+            assert info.config.num_replicas == 3
+        await bus.close()
+    finally:
+        cluster.stop()

@@ -26,7 +26,7 @@ from areal.core.scheduling import SchedulerPolicy
 from areal.data.tiny_model import build_tiny_model
 from areal.engines.base import SamplingParams, WeightUpdate
 from areal.engines.config import InferenceEngineConfig, TrainEngineConfig
-from areal.engines.torch_infer import TorchInferenceEngine, weights_from_safetensors
+from areal.engines.torch_infer import TorchInferenceEngine
 from areal.engines.torch_train import TorchTrainEngine, export_state_dict
 from areal.security.keys import RunKeys
 from areal.services.rollout import RolloutService
@@ -87,8 +87,7 @@ class Rollout:
             lambda ids: "",
             SamplingParams(),
             policy=SchedulerPolicy(interruptible=True),
-            max_concurrent_tasks=1,
-            weights_from_bytes=weights_from_safetensors,
+            max_concurrent_tasks=1,  # weights stream into tensors (no weights_from_bytes)
         )
 
     def apply_pending(self) -> int | None:
@@ -128,15 +127,16 @@ async def buses(nats_url, run_id, keys, tmp_path):
 
 @pytest.fixture
 def fetches(monkeypatch) -> list[str]:
-    """Names of every object-store weights fetch (the real fetch, counted)."""
+    """Names of every object-store weights fetch (the real fetch, counted: every read of the
+    run's bucket, streamed or whole, goes through `WeightsChannel.read_into`)."""
     seen: list[str] = []
-    real = WeightsChannel.get
+    real = WeightsChannel.read_into
 
-    async def counted(self, name, nbytes=None):
+    async def counted(self, name, nbytes, sink):
         seen.append(name)
-        return await real(self, name, nbytes)
+        return await real(self, name, nbytes, sink)
 
-    monkeypatch.setattr(WeightsChannel, "get", counted)
+    monkeypatch.setattr(WeightsChannel, "read_into", counted)
     return seen
 
 
