@@ -189,6 +189,13 @@ class WeightsSettings(_Part):
         description="weights dir for transport=file; None = <out_dir>/weights. Rollout "
         "workers load file:// weights only from regular files under it (symlinks resolved)",
     )
+    wire_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="dtype of floating weights on the wire: auto = as the trainer holds them "
+        "(model.dtype); bfloat16 halves the bytes of fp32 masters (each tensor cast as it "
+        "streams out; rollout engines load into their own dtype). float16 overflows past "
+        "65504 (a rollout refuses the inf): prefer bfloat16",
+    )
 
     def file_dir(self, out_dir: str) -> str | None:
         """The dir of file:// weights (transport=file), None for the object store."""
@@ -379,7 +386,37 @@ class RewardSettings(_Part):
 
 
 class TrainSettings(_Part):
-    engine: Literal["torch", "deepspeed"] = Field("torch", description="training engine")
+    engine: Literal["torch", "fsdp", "deepspeed"] = Field(
+        "torch",
+        description="training engine: torch (one process), fsdp (FSDP2, one or more ranks), "
+        "deepspeed (ZeRO-1/2/3, one or more ranks; pip install 'areal-bus[deepspeed]')",
+    )
+    nproc: int = Field(
+        1,
+        ge=1,
+        description="trainer ranks `areal run` starts on this host (rank 0 alone talks to the "
+        "bus); > 1 needs train.engine fsdp or deepspeed. Under torchrun, WORLD_SIZE decides",
+    )
+    dist_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="most seconds a trainer rank waits in one collective before the group "
+        "fails and is restarted from its checkpoint (a dead rank is noticed at once)",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer in backward, less memory (fsdp, deepspeed)",
+    )
+    activation_offload: bool = Field(
+        False, description="keep saved activations in pinned CPU memory (fsdp on CUDA)"
+    )
+    zero_stage: int = Field(
+        2,
+        ge=1,
+        le=3,
+        description="DeepSpeed ZeRO stage (deepspeed only): 1 shards optimizer states, 2 also "
+        "gradients, 3 also parameters",
+    )
     total_steps: int = Field(40, ge=1, description="training steps (policy versions) to run")
     lr: float = Field(2e-4, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
@@ -400,6 +437,15 @@ class TrainSettings(_Part):
         "while training waits, before the trainer stops with the reason (s)",
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads for the trainer")
+
+    @model_validator(mode="after")
+    def _ranks_need_a_distributed_engine(self) -> TrainSettings:
+        if self.nproc > 1 and self.engine == "torch":
+            raise ValueError(
+                f"train.nproc={self.nproc} needs a distributed engine: set train.engine=fsdp "
+                "or deepspeed, or train.nproc=1"
+            )
+        return self
 
 
 def _upper(v: object) -> object:

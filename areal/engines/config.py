@@ -38,6 +38,8 @@ class InferenceEngineConfig:
     seed: int = 0  # sampling RNG seed
     gpu_memory_utilization: float = 0.85  # fraction of GPU memory vllm may take, (0, 1] (vllm)
     tensor_parallel_size: int = 1  # GPUs one vllm engine shards over, >= 1 (vllm)
+    # vllm: skip torch.compile and CUDA graphs; None = eager on CPU, compiled on GPU
+    enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("torch", "vllm"):
@@ -57,13 +59,13 @@ class InferenceEngineConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainEngineConfig:
-    """How to build a training engine (``kind`` "torch" or "deepspeed").
+    """How to build a training engine (``kind`` "torch", "fsdp" or "deepspeed").
 
     One ``train_step`` = ``n_minibatches`` optimizer steps; log-probs are taken at
     ``temperature`` (the rollout sampling temperature; 1.0 when rollouts are greedy).
     """
 
-    kind: Literal["torch", "deepspeed"]  # TorchTrainEngine | DeepSpeedTrainEngine
+    kind: Literal["torch", "fsdp", "deepspeed"]  # Torch- | FSDP- | DeepSpeedTrainEngine
     model_path: str  # local HF model directory to start from
     lr: float  # AdamW learning rate (per optimizer step), > 0
     weight_decay: float = 0.0  # AdamW decoupled weight decay, >= 0
@@ -73,23 +75,26 @@ class TrainEngineConfig:
     temperature: float = 1.0  # log-probs are log_softmax(logits / temperature), > 0
     n_minibatches: int = 1  # optimizer steps per train_step (contiguous splits), >= 1
     prox_logp: Literal["recompute", "loglinear"] = "recompute"  # how prox_logp is obtained
-    device: str = "cpu"  # torch device (torch only; deepspeed uses cuda:$LOCAL_RANK)
+    device: str = "cpu"  # torch device; fsdp: "cuda" means cuda:$LOCAL_RANK; deepspeed ignores it
     dtype: str = "float32"  # weights and compute dtype: float32 | bfloat16 | float16
     seed: int = 0  # torch RNG seed at construction
     packing: Literal["ffd", "fixed"] = "ffd"  # micro-batching: FFD packed rows | padded chunks
     fixed_mb_size: int = 8  # sequences per micro-batch when packing == "fixed", >= 1
     attn_implementation: str = "varlen"  # "varlen" (ours) or an HF name: sdpa, eager, ...
-    zero_stage: int = 2  # DeepSpeed ZeRO stage, 0..3 (deepspeed only)
+    zero_stage: int = 2  # DeepSpeed ZeRO stage 1..3 (deepspeed only; 0 has no non-finite guard)
+    gradient_checkpointing: bool = False  # recompute decoder layers in backward (fsdp, deepspeed)
+    activation_offload: bool = False  # saved activations to pinned CPU memory (fsdp, CUDA only)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("torch", "deepspeed"):
+        if self.kind not in ("torch", "fsdp", "deepspeed"):
             raise ValueError(
-                f"unknown train engine kind {self.kind!r}; choose one of ['deepspeed', 'torch']"
+                f"unknown train engine kind {self.kind!r}; "
+                "choose one of ['deepspeed', 'fsdp', 'torch']"
             )
         _check_choice("dtype", self.dtype, _DTYPES)
         _check_choice("prox_logp", self.prox_logp, ("recompute", "loglinear"))
         _check_choice("packing", self.packing, ("ffd", "fixed"))
-        _check_choice("zero_stage", self.zero_stage, (0, 1, 2, 3))
+        _check_choice("zero_stage", self.zero_stage, (1, 2, 3))
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.weight_decay < 0:

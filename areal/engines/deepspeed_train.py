@@ -1,31 +1,54 @@
-"""DeepSpeed ZeRO-2/3 training engine (multi-GPU, launched with the ``deepspeed`` launcher).
+"""DeepSpeed ZeRO-1/2/3 training engine: one rank of a data-parallel group (CPU gloo or GPUs).
 
-UNTESTED ON THIS MACHINE: written against the DeepSpeed (>= 0.15) API without GPUs or deepspeed
-installed here. ``TorchTrainEngine`` is the reference: same loss (``microbatch_loss``), same
-packing (``SeqForward``), same stats; run a multi-GPU smoke test before relying on it.
+Follows the distributed-engine CONTRACT of ``areal.engines.rank_group``; ``TorchTrainEngine``
+is the reference (same loss ``microbatch_loss``, same packing ``SeqForward``, same stats).
 
 Invariants:
-- Every rank calls every method with the same arguments; rank 0's ``seqs`` are broadcast, so
-  only rank 0 needs to read the bus. Each minibatch is sharded round-robin over ranks.
-- The loss denominator is the loss-token count of the whole minibatch (all ranks); DeepSpeed
-  averages gradients over ranks, so each rank scales its loss by the world size.
-- Every rank runs the same number of micro-batches per minibatch (short ranks run zero-weight
-  dummies), so ZeRO's gradient collectives line up.
-- ``export_safetensors`` / ``save_pretrained`` gather full weights (ZeRO-3) and return / write on
-  rank 0 only (other ranks get b"" / write nothing).
+- Every rank holds the FULL arguments of every call (the rank group broadcasts them); the
+  engine never broadcasts inputs. Built after ``torch.distributed`` is initialized, or it
+  initializes it itself from ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` (a 1-rank
+  group when none is set); no ``deepspeed`` launcher needed.
+- Device and backend come from ``deepspeed.accelerator.get_accelerator()``: ``cpu`` + gloo, or
+  the accelerator's device ``$LOCAL_RANK`` + its backend (nccl on CUDA). ``cfg.device`` is
+  ignored. Nothing is JIT-compiled: the optimizer is ``torch.optim.AdamW`` (``torch_adam``) and
+  DeepSpeed's shared-memory CPU comm op (an inference-only all-reduce that would build a C++
+  extension on first use: minutes on 2 cores, and a build killed midway leaves a ``lock`` file
+  in ``$TORCH_EXTENSIONS_DIR`` that hangs every later run) is switched off, so collectives are
+  plain ``torch.distributed``.
+- A minibatch is packed exactly as ``TorchTrainEngine`` packs it (``SeqForward.micro_batches``
+  over the whole minibatch); rank r runs micro-batches ``i`` with ``i % world == r``; a short
+  rank runs zero-weight dummy passes, so every rank runs the same number of forward/backward
+  passes (ZeRO collectives line up). ``compute_logp`` pads with dummies under ZeRO-3 too.
+- Each loss is divided by the minibatch's GLOBAL loss-token count and multiplied by the world
+  size, which undoes DeepSpeed's averaging: the reduced gradient is the 1-rank gradient.
+- Non-finite guard: a non-finite local loss poisons its gradient with NaN, so DeepSpeed's
+  global grad-norm check (all ranks) refuses the optimizer step on every rank; a refused step
+  changes no weight and no optimizer state. The engine checks that DeepSpeed did skip.
+- Stats are identical on every rank and equal to the 1-rank ones: each micro-batch's totals
+  land in its own row of one tensor that is all-reduced with SUM (x + 0 is exact), then
+  ``reduce_loss_stats`` runs over the rows in micro-batch order, as on one rank.
+- bf16 keeps fp32 master weights and fp32 gradient accumulation (DeepSpeed's mixed precision);
+  ``gradient_checkpointing`` recomputes each decoder layer in backward (same numbers).
+- Checkpoints are DeepSpeed directories (``<path>/<tag>/``, one optimizer shard per rank, on
+  a filesystem every rank sees) with a ``latest`` pointer written atomically after every rank
+  has written its shard: a crash mid-save leaves the previous checkpoint in force.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import shutil
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from areal.algo.loss import loss_stat_sums, stats_from_sums
+from areal.algo.loss import PPOLossOutput, reduce_loss_stats
 from areal.engines.base import TrainSeq
 from areal.engines.config import TrainEngineConfig
 from areal.engines.hf_io import save_hf_dir
@@ -38,65 +61,161 @@ from areal.engines.torch_train import (
     split_contiguous,
 )
 
-__all__ = ["DeepSpeedTrainEngine"]
+__all__ = ["DeepSpeedTrainEngine", "build_ds_config"]
+
+_SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's name of the JIT-built shared-memory comm op
+_LATEST = "latest"  # DeepSpeed's pointer file: the tag of the checkpoint in force
+# Per-micro-batch stat row: PPOLossOutput fields in this order (see `_row` / `_output`).
+_ROW = (
+    "loss",
+    "n_tokens",
+    "n_kept",
+    "clip_count",
+    "approx_kl_sum",
+    "imp_weight_sum",
+    "imp_weight_max",
+    "n_imp_masked",
+    "entropy_sum",
+)
+
+
+def build_ds_config(cfg: TrainEngineConfig, *, on_cpu: bool) -> dict[str, Any]:
+    """The DeepSpeed config dict of ``cfg`` (one micro-batch per ``backward``; the engine drives
+    the accumulation boundaries itself)."""
+    bf16 = cfg.dtype in ("bfloat16", "bf16")
+    fp16 = cfg.dtype in ("float16", "fp16")
+    zero: dict[str, Any] = {
+        "stage": cfg.zero_stage,
+        "overlap_comm": not on_cpu,  # no streams on CPU
+        "contiguous_gradients": True,
+        "compute_grad_norm": True,  # the non-finite guard and `grad_norm` read it
+    }
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": max(cfg.grad_clip, 0.0),  # 0 = no clipping, like grad_clip <= 0
+        "bf16": {"enabled": bf16, "check_grad_overflow": True},
+        "fp16": {"enabled": fp16, "loss_scale": 0},  # dynamic loss scale
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": cfg.lr,
+                "betas": list(cfg.betas),
+                "weight_decay": cfg.weight_decay,
+                "torch_adam": True,  # torch.optim.AdamW: no FusedAdam/CPUAdam build
+            },
+        },
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if bf16 or fp16:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    return config
+
+
+def _disable_shm_comm() -> None:
+    """Keep DeepSpeed's comm layer on plain torch.distributed: mark the shared-memory comm op
+    incompatible before the comm backend is created (``deepspeed.comm.torch.build_shm_op``
+    consults this table; DeepSpeed documents that edits to it persist)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[_SHM_COMM_OP] = False
+
+
+def _init_process_group(backend: str) -> None:
+    """``torch.distributed`` with ``backend`` (an existing group must use it), wrapped by
+    DeepSpeed's comm layer. Not yet initialized: ``env://`` when ``WORLD_SIZE`` is set (RANK,
+    MASTER_ADDR, MASTER_PORT), else a 1-rank group on an in-memory store (no port)."""
+    import deepspeed
+
+    if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.is_initialized():
+        have = str(dist.get_backend())
+        if backend not in have:
+            raise RuntimeError(
+                f"torch.distributed uses backend {have!r} but the DeepSpeed accelerator needs "
+                f"{backend!r}: initialize the rank group with backend={backend!r}"
+            )
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+def _join_group() -> torch.device:
+    """This rank's device (the accelerator's, ``$LOCAL_RANK``; set as current) after joining
+    the process group with the accelerator's backend."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    on_cpu = accel.device_name() == "cpu"
+    if on_cpu:
+        _disable_shm_comm()
+    _init_process_group(accel.communication_backend_name())
+    # deepspeed.initialize insists on LOCAL_RANK; without one this is a single host (as in
+    # areal.engines.rank_group.RankEnv): the local rank is the rank
+    local_rank = int(os.environ.setdefault("LOCAL_RANK", str(dist.get_rank())))
+    if on_cpu:
+        return torch.device("cpu")
+    accel.set_device(local_rank)
+    return torch.device(accel.device_name(local_rank))
+
+
+def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in backward (non-reentrant). Transformers checkpoints a
+    layer only while ``layer.training``; only the layer objects get that flag, their children
+    (attention, dropout) stay in eval mode, so the recomputed function is the eval one."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no checkpointable layers: set gradient_checkpointing=false"
+        )
+    for layer in layers:
+        layer.training = True
+
+
+def _row(out: PPOLossOutput) -> list[float]:
+    return [float(out.loss.detach())] + [float(getattr(out, k)) for k in _ROW[1:]]
+
+
+def _output(row: list[float]) -> PPOLossOutput:
+    fields = dict(zip(_ROW, row, strict=True))
+    fields["loss"] = torch.tensor(fields["loss"], dtype=torch.float64)
+    for k in ("n_tokens", "n_kept", "n_imp_masked"):
+        fields[k] = int(fields[k])
+    return PPOLossOutput(**fields)
 
 
 class DeepSpeedTrainEngine:
-    """Built from a ``TrainEngineConfig`` of kind "deepspeed" (``cfg.device`` is ignored: each
-    rank runs on ``cuda:$LOCAL_RANK``); ``version`` starts at 0."""
+    """Built from a ``TrainEngineConfig`` of kind "deepspeed" on every rank; ``version``
+    starts at 0 (see the module invariants)."""
 
     def __init__(self, cfg: TrainEngineConfig) -> None:
-        import deepspeed
-        import torch.distributed as dist
-
         if cfg.kind != "deepspeed":
             raise ValueError(
                 f"DeepSpeedTrainEngine needs a config of kind 'deepspeed', got {cfg.kind!r}"
             )
-        deepspeed.init_distributed()
+        import deepspeed
+
+        self.device = _join_group()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(self.device)
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
         self.model_path = cfg.model_path
-        self.zero_stage = cfg.zero_stage
-        zero = {"stage": cfg.zero_stage, "overlap_comm": True, "contiguous_gradients": True}
-        if cfg.zero_stage == 3:
-            zero["stage3_gather_16bit_weights_on_model_save"] = True
-        self.ds_config = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,  # boundaries are driven explicitly below
-            # DeepSpeed reads 0 as "no clipping", like grad_clip <= 0 in TorchTrainEngine.
-            "gradient_clipping": max(cfg.grad_clip, 0.0),
-            "bf16": {"enabled": cfg.dtype in ("bfloat16", "bf16")},
-            "fp16": {"enabled": cfg.dtype in ("float16", "fp16")},
-            "zero_optimization": zero,
-            "optimizer": {
-                "type": "AdamW",
-                "params": {
-                    "lr": cfg.lr,
-                    "betas": list(cfg.betas),
-                    "weight_decay": cfg.weight_decay,
-                },
-            },
-            "steps_per_print": 10**9,
-        }
+        self.ds_config = build_ds_config(cfg, on_cpu=self.device.type == "cpu")
         torch_dtype = resolve_dtype(cfg.dtype)
-        if cfg.zero_stage == 3:
-            with deepspeed.zero.Init(config_dict_or_path=self.ds_config):
-                model, varlen = load_causal_lm(cfg.model_path, torch_dtype, cfg.attn_implementation)
-        else:
-            model, varlen = load_causal_lm(cfg.model_path, torch_dtype, cfg.attn_implementation)
-        model.eval()
+        model, varlen = self._load_model(torch_dtype)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=self.ds_config
         )
-        self.module = self.engine.module
-        self.loss_cfg = cfg.loss_cfg
-        self.n_minibatches = cfg.n_minibatches
-        self.prox_logp = cfg.prox_logp
-        self.temperature = cfg.temperature
+        self.module: torch.nn.Module = self.engine.module
+        self.module.eval()  # no dropout, as in TorchTrainEngine
+        self.vocab_size: int = self.module.get_input_embeddings().num_embeddings
+        self.max_seq_len: int | None = getattr(self.module.config, "max_position_embeddings", None)
+        if cfg.gradient_checkpointing:
+            _enable_gradient_checkpointing(self.module)
         self.version = 0
         self.fwd = SeqForward(
             self.engine,
@@ -108,146 +227,243 @@ class DeepSpeedTrainEngine:
             varlen=varlen,
         )
 
-    # ------------------------------------------------------------------ helpers
-    def _broadcast(self, obj):
-        import torch.distributed as dist
+    def _load_model(self, dtype: torch.dtype) -> tuple[torch.nn.Module, bool]:
+        """The HF model; under ZeRO-3 built partitioned (``zero.Init`` via transformers'
+        ``HfDeepSpeedConfig``, scoped to this load) so no rank holds the full weights."""
+        cfg = self.cfg
+        if cfg.zero_stage != 3:
+            return load_causal_lm(cfg.model_path, dtype, cfg.attn_implementation)
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-        box = [obj if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def _shard(self, seqs: list[TrainSeq]) -> list[int]:
-        return list(range(self.rank, len(seqs), self.world))
+        hf_ds = HfDeepSpeedConfig(self.ds_config)  # noqa: F841 (alive = zero3 loading on)
+        try:
+            return load_causal_lm(cfg.model_path, dtype, cfg.attn_implementation)
+        finally:
+            unset_hf_deepspeed_config()
 
     # ---------------------------------------------------------------- protocol
     def compute_logp(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> list[torch.Tensor]:
-        import torch.distributed as dist
-
-        seqs = self._broadcast(seqs)
-        mine = self._shard(seqs)
-        local: dict[int, torch.Tensor] = {}
+        """Every rank returns the full list; rank r computes micro-batches ``i % world == r``."""
+        if not seqs:
+            return []
+        sizes = [len(s.output_ids) for s in seqs]
+        starts = [0, *itertools.accumulate(sizes)]
+        flat = torch.zeros(starts[-1], dtype=torch.float32, device=self.device)  # [sum T_i]
+        mbs = self.fwd.micro_batches(seqs, max_tokens_per_mb)
+        n_pass = self._n_passes(len(mbs))
+        dummy = [min(seqs, key=seq_len)]
         with torch.no_grad():
-            for mb in self.fwd.micro_batches([seqs[i] for i in mine], max_tokens_per_mb):
-                for j, lp in zip(mb, self.fwd.logp([seqs[mine[j]] for j in mb]), strict=True):
-                    local[mine[j]] = lp.cpu()
-        gathered: list[dict[int, torch.Tensor]] = [{} for _ in range(self.world)]
-        dist.all_gather_object(gathered, local)
-        merged = {k: v for part in gathered for k, v in part.items()}
-        return [merged[i] for i in range(len(seqs))]
+            for k in range(n_pass):
+                i = k * self.world + self.rank
+                if i >= len(mbs):  # keeps ZeRO-3's parameter gathers in step
+                    self.fwd.logp(dummy)
+                    continue
+                for j, lp in zip(mbs[i], self.fwd.logp([seqs[j] for j in mbs[i]]), strict=True):
+                    flat[starts[j] : starts[j + 1]] = lp.float()
+        if self.world > 1:
+            dist.all_reduce(flat)  # every slot written by exactly one rank: exact
+        return [t.cpu() for t in flat.split(sizes)]
+
+    def _n_passes(self, n_mbs: int) -> int:
+        """Passes per rank for ``n_mbs`` micro-batches; ZeRO-1/2 no-grad forwards need no
+        dummies (ZeRO-3 gathers parameters in every forward)."""
+        if self.cfg.zero_stage != 3:
+            return len(range(self.rank, n_mbs, self.world))
+        return math.ceil(n_mbs / self.world)
 
     def train_step(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> dict[str, float]:
-        import torch.distributed as dist
-
         t0 = time.perf_counter()
-        seqs = self._broadcast(seqs)
         check_seqs(seqs)
-        cfg = self.loss_cfg
-        if cfg.decoupled and self.prox_logp == "recompute":
+        cfg = self.cfg.loss_cfg
+        if cfg.decoupled and self.cfg.prox_logp == "recompute":
+            # Proximal policy = the current weights, evaluated before any update of this step.
             for s, lp in zip(seqs, self.compute_logp(seqs, max_tokens_per_mb), strict=True):
                 s.prox_logp = lp
-        chunks = [c for c in split_contiguous(seqs, self.n_minibatches) if c]
-        outs, grad_norms, n_mb, tokens, padded = [], [], 0, 0, 0
-        for chunk in chunks:
-            denom = float(sum(len(s.output_ids) for s in chunk))
-            mine = [chunk[i] for i in self._shard(chunk) if len(chunk[i].output_ids) > 0]
-            mbs = self.fwd.micro_batches(mine, max_tokens_per_mb) if mine else []
-            n_local = torch.tensor(len(mbs), device=self.device)
-            dist.all_reduce(n_local, op=dist.ReduceOp.MAX)
-            n_total = int(n_local)
-            for k in range(n_total):
-                dummy = k >= len(mbs)
-                mb_seqs = [chunk[0]] if dummy else [mine[i] for i in mbs[k]]
-                self.engine.set_gradient_accumulation_boundary(k == n_total - 1)
-                out = microbatch_loss(
-                    self.fwd, mb_seqs, cfg, self.prox_logp, self.version, denom, self.device
-                )
-                loss = out.loss * (0.0 if dummy else float(self.world))
-                self.engine.backward(loss)
-                self.engine.step()
-                if not dummy:
-                    n_mb += 1
-                    tokens += sum(seq_len(s) for s in mb_seqs)
-                    padded += self.fwd.padded_tokens(mb_seqs)
-                    outs.append(out)
-            grad_norms.append(float(self.engine.get_global_grad_norm() or 0.0))
+
+        chunks = [c for c in split_contiguous(seqs, self.cfg.n_minibatches) if c]
+        plans = [self._plan(chunk, max_tokens_per_mb) for chunk in chunks]
+        n_rows = sum(len(p) for p in plans)
+        rows = torch.zeros(n_rows + self.world, len(_ROW), dtype=torch.float64, device=self.device)
+        applied, grad_norms, offset = [], [], 0
+        for chunk, mbs in zip(chunks, plans, strict=True):
+            step_ok, norm = self._minibatch(chunk, mbs, rows[offset : offset + len(mbs)])
+            applied.append(step_ok)
+            if step_ok:
+                grad_norms.append(norm)
+            offset += len(mbs)
         self.version += 1
 
-        # Combine across ranks from additive totals, so every ratio has the same definition as
-        # on one rank (reduce_loss_stats): sums all-reduced with SUM, the imp-weight max with MAX.
-        sums = loss_stat_sums(outs)
-        keys = sorted(sums)
-        vec = torch.tensor(
-            [sums[k] for k in keys] + [float(n_mb), float(tokens), float(padded)],
-            device=self.device,
-            dtype=torch.float64,
-        )
-        dist.all_reduce(vec)
-        mx = torch.tensor(
-            [max((o.imp_weight_max for o in outs), default=0.0)],
-            device=self.device,
-            dtype=torch.float64,
-        )
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-        v = vec.tolist()
-        stats = stats_from_sums(dict(zip(keys, v[: len(keys)], strict=True)), float(mx))
-        stats["loss"] /= max(len(chunks), 1)  # mean over minibatches of each minibatch's mean
-        n_mb_all, tokens_all, padded_all = v[len(keys) :]
+        rows[n_rows + self.rank, 0] = time.perf_counter() - t0  # this rank's time, for the max
+        if self.world > 1:
+            dist.all_reduce(rows)  # each row has exactly one writer
+        table = rows.tolist()
+        outs, offset = [], 0
+        for mbs, ok in zip(plans, applied, strict=True):
+            if ok:
+                outs.extend(_output(r) for r in table[offset : offset + len(mbs)])
+            offset += len(mbs)
+        all_mbs = [mb for mbs in plans for mb in mbs]
+        tokens = sum(seq_len(s) for mb in all_mbs for s in mb)
+        padded = sum(self.fwd.padded_tokens(mb) for mb in all_mbs)
+        skipped = sum(1 for mbs, ok in zip(plans, applied, strict=True) if mbs and not ok)
+        stats = reduce_loss_stats(outs)
+        stats["loss"] /= max(len(chunks), 1)  # mean over minibatches of each one's token mean
         stats.update(
             grad_norm=sum(grad_norms) / max(len(grad_norms), 1),
             lr=float(self.optimizer.param_groups[0]["lr"]),
-            padding_frac=(padded_all - tokens_all) / padded_all if padded_all else 0.0,
-            n_microbatches=n_mb_all,
-            tokens=tokens_all,
-            time_s=time.perf_counter() - t0,
+            padding_frac=(padded - tokens) / padded if padded else 0.0,
+            n_microbatches=float(len(all_mbs)),
+            skipped_minibatches=float(skipped),
+            step_skipped=float(skipped > 0 and not outs),
+            tokens=float(tokens),
+            time_s=max(r[0] for r in table[n_rows:]),
         )
         return stats
 
+    def _plan(self, chunk: list[TrainSeq], max_tokens_per_mb: int) -> list[list[TrainSeq]]:
+        """The micro-batches of one minibatch exactly as ``TorchTrainEngine`` forms them
+        (sequences without output tokens dropped, empty micro-batches skipped)."""
+        mbs = []
+        for mb in self.fwd.micro_batches(chunk, max_tokens_per_mb):
+            mb_seqs = [chunk[i] for i in mb if len(chunk[i].output_ids) > 0]
+            if mb_seqs:
+                mbs.append(mb_seqs)
+        return mbs
+
+    def _minibatch(
+        self, chunk: list[TrainSeq], mbs: list[list[TrainSeq]], rows: torch.Tensor
+    ) -> tuple[bool, float]:
+        """One optimizer step over ``mbs`` (this rank's share), writing this rank's rows of
+        ``rows`` [len(mbs), len(_ROW)]; returns (step applied, global grad norm)."""
+        if not mbs:
+            return False, 0.0
+        denom = float(sum(len(s.output_ids) for s in chunk))  # loss tokens of the minibatch
+        n_pass = math.ceil(len(mbs) / self.world)
+        dummy = [min((s for mb in mbs for s in mb), key=seq_len)]
+        bad_loss = torch.zeros((), device=self.device)
+        skipped_before = self.engine.skipped_steps
+        for k in range(n_pass):
+            i = k * self.world + self.rank
+            real = i < len(mbs)
+            self.engine.set_gradient_accumulation_boundary(k == n_pass - 1)
+            out = microbatch_loss(
+                self.fwd,
+                mbs[i] if real else dummy,
+                self.cfg.loss_cfg,
+                self.cfg.prox_logp,
+                self.version,
+                denom,
+                self.device,
+            )
+            loss = out.loss * (float(self.world) if real else 0.0)
+            if real:
+                rows[i] = torch.tensor(_row(out), dtype=torch.float64)
+                if not bool(torch.isfinite(out.loss)):
+                    bad_loss.fill_(1.0)
+                    loss = out.loss * float("nan")  # NaN gradient: DeepSpeed refuses the step
+            self.engine.backward(loss)
+            self.engine.step()
+        applied = self.engine.skipped_steps == skipped_before
+        self._check_guard(bad_loss, applied)
+        norm = self.engine.get_global_grad_norm()
+        return applied, float(norm) if norm is not None else 0.0
+
+    def _check_guard(self, bad_loss: torch.Tensor, applied: bool) -> None:
+        """Crash loudly if DeepSpeed applied a step whose loss was not finite on some rank."""
+        if self.world > 1:
+            dist.all_reduce(bad_loss, op=dist.ReduceOp.MAX)
+        if applied and bool(bad_loss):
+            raise RuntimeError(
+                "DeepSpeed applied an optimizer step with a non-finite loss: its grad-norm "
+                "overflow check is off (keep zero_optimization.compute_grad_norm=true)"
+            )
+
     # ------------------------------------------------------------ serialisation
     def _full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full weights on rank 0 (None elsewhere); every rank must call this."""
-        if self.zero_stage == 3:
-            import deepspeed
+        """Full CPU weights on rank 0 (None elsewhere); every rank must call this. ZeRO-3
+        gathers one parameter at a time, so no rank holds more than one gathered tensor on
+        the device."""
+        if self.cfg.zero_stage != 3:
+            return export_state_dict(self.module) if self.rank == 0 else None
+        import deepspeed
 
-            params = list(self.module.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                return export_state_dict(self.module) if self.rank == 0 else None
-        return export_state_dict(self.module) if self.rank == 0 else None
+        def to_cpu(t: torch.Tensor) -> torch.Tensor | None:
+            return t.detach().to("cpu", copy=True).contiguous() if self.rank == 0 else None
+
+        out: dict[str, torch.Tensor] = {}
+        done: dict[int, torch.Tensor | None] = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) not in done:
+                if hasattr(t, "ds_id"):  # a partitioned parameter: every rank gathers it
+                    with deepspeed.zero.GatheredParameters([t], modifier_rank=None):
+                        done[id(t)] = to_cpu(t)
+                else:
+                    done[id(t)] = to_cpu(t)
+                cpu = done[id(t)]
+            else:  # a tied tensor: its own storage, as in export_state_dict
+                cpu = done[id(t)].clone() if self.rank == 0 else None
+            if cpu is not None:
+                out[name] = cpu
+        return out if self.rank == 0 else None
 
     def export_safetensors(self) -> bytes:
+        """Full safetensors bytes on rank 0; b"" on the others (they take part in the gather)."""
         from safetensors.torch import save
 
         state = self._full_state_dict()
         return save(state) if state is not None else b""
 
     def save_pretrained(self, path: str) -> None:
-        """Rank 0 writes the HF directory (``hf_io.save_hf_dir``, the same files as
-        ``TorchTrainEngine.save_pretrained``); every rank must call this (ZeRO-3 gather)."""
+        """Rank 0 writes the HF directory (``hf_io.save_hf_dir``); every rank must call this."""
         state = self._full_state_dict()
         if self.rank == 0:
             save_hf_dir(self.module, state, self.model_path, path)
+        self._barrier()
 
     def save_checkpoint(self, path: str) -> None:
-        """A DeepSpeed checkpoint directory (sharded model + optimizer), swapped in atomically."""
-        import torch.distributed as dist
-
-        dst = Path(path)
-        tmp = Path(self._broadcast(str(dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}"))))
+        """Collective: ``<path>/<tag>/`` (model + this rank's optimizer shard), then rank 0
+        points ``<path>/latest`` at it (atomic rename) and removes older tags."""
+        root = Path(path)
+        tag = self._same_on_all_ranks(f"v{self.version}-{uuid.uuid4().hex[:8]}")
         client = {"version": self.version, "rng_cpu": torch.get_rng_state()}
-        self.engine.save_checkpoint(str(tmp), tag="state", client_state=client)
-        dist.barrier()
+        self.engine.save_checkpoint(str(root), tag=tag, client_state=client, save_latest=False)
+        self._barrier()  # every shard is on disk before the pointer moves
         if self.rank == 0:
-            if dst.exists():
-                shutil.rmtree(dst)
-            os.replace(tmp, dst)
-        dist.barrier()
+            tmp = root / f".{_LATEST}.tmp-{tag}"
+            tmp.write_text(tag)
+            os.replace(tmp, root / _LATEST)
+            for old in root.iterdir():
+                if old.is_dir() and old.name != tag:
+                    shutil.rmtree(old, ignore_errors=True)
+        self._barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        if not Path(path).is_dir():
+        """Collective: the checkpoint ``<path>/latest`` names; optimizer state included; lr and
+        weight decay come from the config (a resume may change them)."""
+        pointer = Path(path) / _LATEST
+        if not pointer.is_file():
             raise FileNotFoundError(
-                f"no DeepSpeed checkpoint at {path} (write one with save_checkpoint)"
+                f"no DeepSpeed checkpoint at {path} (no {_LATEST} file; write one with "
+                "save_checkpoint)"
             )
-        _, client = self.engine.load_checkpoint(path, tag="state")
+        tag = pointer.read_text().strip()
+        _, client = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True)
         if client is None:
-            raise ValueError(f"{path}: DeepSpeed could not load the checkpoint")
+            raise ValueError(f"{path}/{tag}: DeepSpeed could not load the checkpoint")
+        for group in self.optimizer.param_groups:
+            group["lr"], group["weight_decay"] = self.cfg.lr, self.cfg.weight_decay
         self.version = int(client["version"])
         torch.set_rng_state(client["rng_cpu"])
+
+    # ------------------------------------------------------------------ helpers
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def _same_on_all_ranks(self, value: str) -> str:
+        """Rank 0's ``value`` on every rank (internal coordination, not call arguments)."""
+        if self.world == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return str(box[0])

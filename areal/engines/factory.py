@@ -27,6 +27,7 @@ _INFERENCE = {
 }
 _TRAIN = {
     "torch": ("areal.engines.torch_train", "TorchTrainEngine", None),
+    "fsdp": ("areal.engines.fsdp_train", "FSDPTrainEngine", None),
     "deepspeed": ("areal.engines.deepspeed_train", "DeepSpeedTrainEngine", "deepspeed"),
 }
 
@@ -53,5 +54,5 @@ def make_inference_engine(cfg: InferenceEngineConfig) -> InferenceEngine:
 
 
 def make_train_engine(cfg: TrainEngineConfig) -> TrainEngine:
-    """The training engine of ``cfg.kind`` ("torch" | "deepspeed"), built from ``cfg``."""
+    """The training engine of ``cfg.kind`` ("torch" | "fsdp" | "deepspeed"), built from ``cfg``."""
     return _build(_TRAIN, "train", cfg)

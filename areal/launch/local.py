@@ -14,6 +14,11 @@ Invariants:
   stops with its one-line reason; other crashes are restarted up to `max_restarts` times, and
   a worker that ran `HEALTHY_S` before it exited has its budget back; an exit because the bus
   was away (`EXIT_BUS_UNAVAILABLE`) does not spend the budget;
+- with `train.nproc` N > 1 the trainer is a group of N local ranks (`trainer-0` is rank 0,
+  `trainer-0.rank<r>` the others; RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT
+  set, a fresh port per start): the group lives and dies whole. A rank that fails stops the
+  others, and the group is restarted from the trainer's checkpoint as the trainer would be
+  (same budget, same exit rules, judged by rank 0's exit code or the first failed rank's);
 - a dead embedded nats-server is restarted on the same store, port and accounts, and said so;
 - the embedded server has one account per role of the run (`areal.bus.nats_config`), their
   credentials in `<out>/keys/nats/<role>.json` (0600), kept on `--resume`; config.json names
@@ -38,7 +43,7 @@ from typing import Literal
 
 import structlog
 
-from areal.bus.embedded import EmbeddedNats
+from areal.bus.embedded import EmbeddedNats, free_port
 from areal.bus.errors import RunConflictError
 from areal.bus.nats_config import authorization_block, ensure_accounts
 from areal.bus.streams import StorageLimitError
@@ -57,6 +62,23 @@ NATS_KEYS_SUBDIR = "keys/nats"  # under --out: the embedded server's per-role cr
 Supervision = Literal["finished", "ignore", "restart", "restart_free", "give_up", "config_error"]
 HEALTHY_S = 300.0  # a worker up this long before it exits has its restart budget back
 MAX_OUTAGE_RESTARTS = 20  # restarts after outages (not counted in max_restarts), per worker
+TRAINER = "trainer-0"  # the trainer's worker id (rank 0 of its group when train.nproc > 1)
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _terminate(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM every live process of `procs`, then SIGKILL what is left after `timeout_s`."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def on_worker_exit(
@@ -75,7 +97,7 @@ def on_worker_exit(
     `MAX_OUTAGE_RESTARTS`; any other exit is restarted until `max_restarts`, then the run gives
     up. The caller resets both counts after a healthy period (`HEALTHY_S` of uptime)."""
     if returncode == 0:
-        return "finished" if wid == "trainer-0" else "ignore"
+        return "finished" if wid == TRAINER else "ignore"
     if returncode == EXIT_CONFIG:
         return "config_error"
     if returncode == EXIT_BUS_UNAVAILABLE:
@@ -103,6 +125,7 @@ class Launcher:
         self.restarts: dict[str, int] = {}
         self.outage_restarts: dict[str, int] = {}
         self.started_at: dict[str, float] = {}  # worker id -> time.monotonic() of its start
+        self.followers: list[str] = []  # the trainer group's ranks > 0 (train.nproc > 1)
         self.server_restarts = 0
         self._cfg_path: Path | None = None
         self._env: dict[str, str] = {}
@@ -173,12 +196,31 @@ class Launcher:
         keep = ("AREAL_LOG_FORMAT", "AREAL_LOG_LEVEL", "AREAL_CACHE_DIR")
         for key in [k for k in env if k.startswith("AREAL_") and k not in keep]:
             env.pop(key)  # the resolved config.json already holds every setting
+        for key in RANK_ENV:
+            env.pop(key, None)  # the trainer's rank group is this launcher's (train.nproc)
         self._env = env
         for role, i in roles:
             self._start(f"{role}-{i}")
 
     def _start(self, wid: str) -> None:
-        role = wid.rsplit("-", 1)[0]
+        if wid == TRAINER and self.s.train.nproc > 1:
+            self._start_trainer_group()
+        else:
+            self._spawn(wid, wid.rsplit("-", 1)[0])
+
+    def _start_trainer_group(self) -> None:
+        """`train.nproc` trainer ranks on a fresh rendezvous port: rank 0 is `trainer-0` (the
+        bus worker), rank r is `trainer-0.rank<r>` (`areal.launch.ranks`)."""
+        n = self.s.train.nproc
+        port = free_port()
+        self.followers = [f"{TRAINER}.rank{r}" for r in range(1, n)]
+        for r, wid in enumerate([TRAINER, *self.followers]):
+            rank_env = {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n)}
+            rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            self._spawn(wid, "trainer", rank_env)
+        log.info("trainer_group_started", ranks=n, master_port=port)
+
+    def _spawn(self, wid: str, role: str, extra_env: dict[str, str] | None = None) -> None:
         threads = self.s.train.torch_threads if role == "trainer" else self.s.rollout.torch_threads
         logf = open(self.out / "logs" / f"{wid}.log", "ab")  # noqa: SIM115 - owned by child
         self.procs[wid] = subprocess.Popen(
@@ -194,7 +236,7 @@ class Launcher:
             stdout=logf,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**self._env, "OMP_NUM_THREADS": str(threads)},
+            env={**self._env, "OMP_NUM_THREADS": str(threads), **(extra_env or {})},
             preexec_fn=die_with_parent,
         )
         logf.close()
@@ -222,17 +264,7 @@ class Launcher:
         return None
 
     def stop_all(self, timeout_s: float = 15.0) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _terminate(list(self.procs.values()), timeout_s)
         if self.server:
             self.server.stop()
             self.server = None
@@ -251,8 +283,11 @@ class Launcher:
         if (rc := self._watch_server()) is not None:
             return rc
         # the trainer first: its clean exit ends the run whatever the others do meanwhile
-        for wid, p in sorted(self.procs.items(), key=lambda kv: kv[0] != "trainer-0"):
-            if p.poll() is None:
+        for wid, p in sorted(self.procs.items(), key=lambda kv: kv[0] != TRAINER):
+            if wid in self.followers:
+                continue  # judged with their group, as trainer-0
+            returncode = self._trainer_group_exit() if wid == TRAINER else p.poll()
+            if returncode is None:
                 continue
             if time.monotonic() - self.started_at.get(wid, 0.0) >= HEALTHY_S:
                 self.restarts.pop(wid, None)  # a healthy period: the budget is back
@@ -260,7 +295,7 @@ class Launcher:
             restarts = self.restarts.get(wid, 0)
             outages = self.outage_restarts.get(wid, 0)
             action = on_worker_exit(
-                wid, p.returncode, restarts, self.max_restarts, outage_restarts=outages
+                wid, returncode, restarts, self.max_restarts, outage_restarts=outages
             )
             if action == "finished":
                 return 0
@@ -273,11 +308,11 @@ class Launcher:
                 return EXIT_CONFIG
             if action == "give_up":
                 print(
-                    f"worker {wid} exited with {p.returncode} after {restarts} restarts; "
+                    f"worker {wid} exited with {returncode} after {restarts} restarts; "
                     f"last log lines:\n{self._log_tail(wid)}",
                     file=sys.stderr,
                 )
-                return p.returncode or 1
+                return returncode or 1
             if action == "restart_free":
                 self.outage_restarts[wid] = outages + 1
                 log.warning("worker_restarted_after_outage", worker=wid, outages=outages + 1)
@@ -287,10 +322,30 @@ class Launcher:
                 # from its checkpoint, the controller from its KV cursor
                 self.restarts[wid] = restarts + 1
                 log.warning(
-                    "worker_restarted", worker=wid, exit_code=p.returncode, restarts=restarts + 1
+                    "worker_restarted", worker=wid, exit_code=returncode, restarts=restarts + 1
                 )
                 self._start(wid)
         return None
+
+    def _trainer_group_exit(self) -> int | None:
+        """The trainer's exit code, for a group of ranks the group's: rank 0's once it exited,
+        or a follower's failure while rank 0 still runs. A group that failed is stopped whole
+        (its restart is the trainer's: `_start`); followers exiting 0 end with rank 0."""
+        lead = self.procs[TRAINER].poll()
+        if not self.followers or lead == 0:
+            return lead
+        failed = lead
+        if failed is None:
+            codes = [(f, self.procs[f].poll()) for f in self.followers]
+            bad = [(f, c) for f, c in codes if c not in (None, 0)]
+            if not bad:
+                return None
+            log.warning("trainer_rank_failed", worker=bad[0][0], exit_code=bad[0][1])
+            failed = bad[0][1]
+        t0 = time.monotonic()
+        _terminate([self.procs[w] for w in (TRAINER, *self.followers)], 15.0)
+        log.warning("trainer_group_stopped", exit_code=failed, stop_s=time.monotonic() - t0)
+        return failed
 
     async def _watch(self) -> int:
         from areal.bus.client import Bus

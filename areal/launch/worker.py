@@ -77,6 +77,9 @@ class RoleSpec(Generic[P]):
     role: Role
     prepare: Callable[[RunSettings, str], P]  # (settings, worker_id) -> parts; before connecting
     build: Callable[[P, Bus], Service]  # cheap: wire the parts to the connected bus
+    # a role that runs as a group of ranks (the trainer): what RANK > 0 runs instead of prepare
+    # + connect + run; returns the exit code (`areal.launch.ranks`)
+    follow: Callable[[RunSettings, str], int] | None = None
 
 
 def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
@@ -174,7 +177,13 @@ def main(spec: RoleSpec[Any], argv: list[str] | None = None) -> int:
 
 def run_worker(spec: RoleSpec[P], settings: RunSettings, worker_id: str) -> int:
     """Check, prepare (reporting progress), then connect and run until stopped; the exit code
-    (`EXIT_CONFIG` for a deterministic failure, its reason printed as the last line)."""
+    (`EXIT_CONFIG` for a deterministic failure, its reason printed as the last line). A rank
+    > 0 of a role's rank group (RANK in the environment) follows rank 0 instead."""
+    if spec.follow is not None:
+        from areal.launch.ranks import env_rank
+
+        if env_rank() > 0:
+            return spec.follow(settings, worker_id)
     try:
         check_role(spec.role, settings)
         keys = keys_for_worker(settings, spec.role)  # before prepare: a missing key fails fast
