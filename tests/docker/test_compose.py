@@ -275,8 +275,10 @@ def test_compose_cluster_survives_a_node_kill_and_refuses_a_second_trainer():
                 "up",
                 "--scale",
                 "rollout=2",
-                "--no-attach",
-                "setup",
+                # not attached: the exit of a node must not end the stack (compose's
+                # --abort-on-container-exit, implied by --exit-code-from, watches attached ones)
+                *("--no-attach", "setup", "--no-attach", "nats"),
+                *("--no-attach", "nats-2", "--no-attach", "nats-3"),
                 "--exit-code-from",
                 "trainer",
             ],
