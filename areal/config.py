@@ -410,6 +410,13 @@ class TrainSettings(_Part):
     activation_offload: bool = Field(
         False, description="keep saved activations in pinned CPU memory (fsdp on CUDA)"
     )
+    record_batches: bool = Field(
+        False,
+        description="write each step's batch to <out_dir>/batches/step-<version>.pt before "
+        "training on it (areal.engines.record: replay it through another engine, e.g. to "
+        "check a multi-rank engine against one process on the pipeline's own batches). About "
+        "batch_size x group_size sequences per step on disk: for checks and debugging",
+    )
     zero_stage: int = Field(
         2,
         ge=1,

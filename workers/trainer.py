@@ -74,6 +74,12 @@ def prepare(settings: RunSettings, worker_id: str) -> TrainerParts:
 
     world_size = join_rank_group(settings)
     engine = lead_rank_group(make_engine(settings), settings, world_size)
+    if settings.train.record_batches:
+        from pathlib import Path
+
+        from areal.engines.record import BatchRecorder
+
+        engine = BatchRecorder(engine, Path(settings.out_dir) / "batches")
     return TrainerParts(TrainerView.of(settings), engine, grouped=world_size > 1)
 
 

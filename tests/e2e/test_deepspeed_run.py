@@ -1,10 +1,11 @@
 """`areal run` with two DeepSpeed trainer ranks (`train.engine=deepspeed`, `train.nproc=2`):
-ZeRO-2 over gloo on this CPU, rank 0 alone on the bus.
+ZeRO-3 and ZeRO-2 over gloo on this CPU, rank 0 alone on the bus.
 
-The numbers of the 2-rank DeepSpeed engine against one torch process on the same batches are
-checked in `tests/unit/engines/test_deepspeed_engine.py`; here the real pipeline must keep
-exact accounting, and a SIGKILL of rank 1 mid-run must restart the whole group from its
-DeepSpeed checkpoint with nothing lost and nothing trained twice. Clocks only guard hangs."""
+The real pipeline must keep exact accounting; a ZeRO-3 run's steps, replayed through the
+1-process torch engine on the batches the pipeline formed (`train.record_batches`), must give
+the same losses and published weights within 1e-5; and a SIGKILL of rank 1 mid-run must
+restart the whole group from its DeepSpeed checkpoint with nothing lost and nothing trained
+twice. Clocks only guard hangs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_run import _worker_pid, check_invariants, records, start_run, wait_steps
+from tests.e2e.test_trainer_ranks import assert_matches_one_process
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra: DS_BUILD_OPS=0 pip install deepspeed")
 
@@ -31,12 +33,15 @@ def _log(out: Path, wid: str) -> str:
 
 def test_two_deepspeed_ranks_train_with_exact_accounting(tmp_path):
     out = tmp_path / "ds"
-    proc = start_run(out, *RANKS, "train.total_steps=10")
+    proc = start_run(
+        out, *RANKS, "train.total_steps=10", "train.zero_stage=3", "train.record_batches=true"
+    )
     _, err = proc.communicate(timeout=900)  # hang guard
     assert proc.returncode == 0, err.decode()[-3000:]
     summary = check_invariants(out, eta=4, B=16)
     assert summary["steps"] == 10
     assert all(r["n_microbatches"] >= 2 for r in records(out))  # something to share out
+    assert_matches_one_process(out)  # ZeRO-3 here; the SIGKILL test below runs ZeRO-2
     assert re.search(r"trainer_rank_stopped\s+exit_code=0", _log(out, FOLLOWER))
     assert "rank_group_leading" in _log(out, "trainer-0")
     assert "worker_restarted" not in err.decode()

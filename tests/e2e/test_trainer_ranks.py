@@ -1,10 +1,11 @@
 """The trainer as a group of ranks, end to end: `areal run` with `train.nproc=2` and
 `train.engine=fsdp` (two gloo ranks on this CPU; rank 0 alone on the bus).
 
-The numbers of the 2-rank engine against one process on the same batches are checked in
-`tests/unit/engines/test_fsdp_train.py`; here the real pipeline must keep exact accounting, and
-a SIGKILL of rank 1 mid-run must cost a restart of the whole group from the checkpoint with
-nothing lost and nothing trained twice. Clocks only guard against hangs."""
+The real pipeline must keep exact accounting; its steps, replayed through the 1-process torch
+engine on the very batches the pipeline formed (`train.record_batches`), must give the same
+losses and the same published weights within 1e-5; and a SIGKILL of rank 1 mid-run must cost a
+restart of the whole group from the checkpoint with nothing lost and nothing trained twice.
+Clocks only guard against hangs."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from areal.engines.record import replay
 from tests.e2e.test_run import _worker_pid, check_invariants, records, start_run, wait_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
@@ -27,15 +29,39 @@ def _log(out: Path, wid: str) -> str:
     return (out / "logs" / f"{wid}.log").read_text(errors="replace")
 
 
+def assert_matches_one_process(out: Path, atol: float = 1e-5) -> None:
+    """Replay the run's recorded batches through the torch engine (one process) built from
+    the run's own config: every step's loss as metrics.jsonl has it, and the final weights as
+    the run published them (`out/final`), within `atol`."""
+    from safetensors.torch import load_file
+
+    from areal.config import load_settings
+    from workers.trainer import make_engine
+
+    one = ["train.engine=torch", "train.nproc=1", "train.record_batches=false"]
+    reference = make_engine(load_settings(out / "config.json", one))
+    stats, recs = replay(reference, out / "batches"), records(out)
+    assert len(stats) == len(recs) > 0
+    for got, ran in zip(stats, recs, strict=True):
+        assert abs(got["loss"] - ran["loss"]) <= atol, (ran["step"], got["loss"], ran["loss"])
+    final = load_file(str(out / "final" / "model.safetensors"))
+    ref = reference.export_state_dict()
+    assert final.keys() == ref.keys()
+    worst = max((final[k].float() - ref[k].float()).abs().max().item() for k in ref)
+    print(f"replayed {len(stats)} steps on one process: final weights within {worst:.2e}")
+    assert worst <= atol
+
+
 @pytest.mark.slow  # a 10-step run with two trainer ranks: ~1 minute on 2 cores
 def test_two_fsdp_ranks_train_with_exact_accounting(tmp_path):
     out = tmp_path / "ranks"
-    proc = start_run(out, *RANKS, "train.total_steps=10")
+    proc = start_run(out, *RANKS, "train.total_steps=10", "train.record_batches=true")
     _, err = proc.communicate(timeout=900)  # hang guard
     assert proc.returncode == 0, err.decode()[-3000:]
     summary = check_invariants(out, eta=4, B=16)
     assert summary["steps"] == 10
     assert all(r["n_microbatches"] >= 2 for r in records(out))  # something to share out
+    assert_matches_one_process(out)
     follower = _log(out, FOLLOWER)
     assert "trainer_rank_following" in follower
     assert re.search(r"trainer_rank_stopped\s+exit_code=0", follower)  # rank 0's stop call
