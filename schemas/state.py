@@ -77,6 +77,12 @@ class CheckpointState(_State):
     kind: ClassVar[str] = "checkpoint state"
     trainer: TrainerState
     done_tasks: list[str] = Field(default_factory=list)
+    engine_dir: str = Field(
+        "engine",
+        description="the engine checkpoint (under checkpoint/) this state goes with: written "
+        "under a new name before this file, the old one removed after, so a crash between the "
+        "two writes leaves the previous pair whole",
+    )
 
 
 class RoleLockState(_State):

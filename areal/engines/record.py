@@ -8,7 +8,10 @@ against the 1-process torch engine), and a run that went wrong can be re-run off
 
 Invariants:
 - a file holds the batch exactly as `train_step` received it (the TrainSeqs before the engine
-  fills `prox_logp`), written atomically; a step redone after a restart overwrites its file;
+  fills `prox_logp`), written atomically, named by the version the step produces (a step
+  record's `version` in metrics.jsonl). A step redone after a restart overwrites its file, or,
+  when the restored trainer rolled its version forward past weights already announced, gets a
+  new one and leaves the old file stale: replay the versions metrics.jsonl lists;
 - the recorder changes nothing else: every other attribute and call is the wrapped engine's.
 """
 
@@ -23,7 +26,7 @@ import torch
 
 from areal.engines.base import TrainEngine, TrainSeq
 
-__all__ = ["BatchRecorder", "load_step", "replay", "step_files"]
+__all__ = ["BatchRecorder", "load_step", "replay", "step_file", "step_files"]
 
 
 class BatchRecorder:
@@ -42,7 +45,7 @@ class BatchRecorder:
 
     def train_step(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> dict[str, float]:
         version = self._engine.version + 1
-        path = self._dir / f"step-{version:06d}.pt"
+        path = step_file(self._dir, version)
         tmp = path.with_suffix(".tmp")
         record = {
             "version": version,
@@ -65,13 +68,19 @@ def load_step(path: str | Path) -> tuple[list[TrainSeq], int]:
     return [TrainSeq(**s) for s in record["seqs"]], int(record["max_tokens_per_mb"])
 
 
+def step_file(dir: str | Path, version: int) -> Path:
+    """The record of the step that produced `version`."""
+    return Path(dir) / f"step-{version:06d}.pt"
+
+
 def replay(
-    engine: TrainEngine, dir: str | Path, steps: int | None = None
+    engine: TrainEngine, dir: str | Path, versions: list[int] | None = None
 ) -> list[dict[str, float]]:
-    """Train `engine` on the first `steps` recorded steps of `dir` (all when None), in order;
-    the step stats of each."""
+    """Train `engine` on the recorded steps of `dir` that produced `versions` (a run's
+    metrics.jsonl `version`s; None: every file, in order); the step stats of each."""
+    paths = step_files(dir) if versions is None else [step_file(dir, v) for v in versions]
     out = []
-    for path in step_files(dir)[:steps]:
+    for path in paths:
         seqs, max_tokens = load_step(path)
         out.append(engine.train_step(seqs, max_tokens))
     return out

@@ -5,8 +5,11 @@ Invariants:
 - a lease is acked only after the checkpoint that covers its effect is on disk (`ack after
   durable`), and only then does the intake learn the checkpoint is written;
 - checkpoints land in step order (a save starts only after the previous write landed);
-- `trainer_state.json` is replaced atomically, after the engine state, so a crash mid-write
-  leaves the previous checkpoint whole;
+- the engine state and `trainer_state.json` are one pair: an engine state that changed is
+  written under a new name (`engine-<version>`), then `trainer_state.json`, which names it, is
+  replaced atomically, and only then is the previous engine state removed. A crash anywhere in
+  between (a rank SIGKILLed mid-checkpoint) leaves the previous pair whole: a resume never
+  pairs new weights with an older step count (which would train a step twice);
 - a checkpoint taken while the engine is unchanged since its last save (e.g. to make group
   retirements durable between steps) writes only `trainer_state.json`;
 - `on_written` runs after each checkpoint lands (the trainer publishes its run state then);
@@ -24,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -64,16 +68,20 @@ class Checkpointer:
         self.write_failures = 0  # failed write attempts so far (each one logged)
         self._last: asyncio.Task | None = None
         self._saved_version: int | None = None  # engine version of the last engine save
+        self._engine_dir = "engine"  # the engine state the last written (or loaded) state names
         self.last_write_s = 0.0  # duration of the last write (+ acks)
 
     def load(self) -> CheckpointState | None:
         path = self.dir / STATE_FILE
         if not path.exists():
             return None
-        return CheckpointState.model_validate_json(path.read_text())
+        state = CheckpointState.model_validate_json(path.read_text())
+        self._engine_dir = state.engine_dir
+        return state
 
     async def load_engine(self) -> None:
-        await asyncio.to_thread(self.engine.load_checkpoint, str(self.dir / "engine"))
+        """The engine state the loaded `trainer_state.json` names (`load` first)."""
+        await asyncio.to_thread(self.engine.load_checkpoint, str(self.dir / self._engine_dir))
         self._saved_version = self.engine.version
 
     async def save(self, intake: Intake[Lease], *, background: bool) -> None:
@@ -84,6 +92,8 @@ class Checkpointer:
         ckpt, leases = intake.checkpoint()
         engine_changed = self._saved_version != self.engine.version
         self._saved_version = self.engine.version
+        name = f"engine-{self.engine.version:08d}" if engine_changed else self._engine_dir
+        ckpt = ckpt.model_copy(update={"engine_dir": name})
         snapshot_fn = getattr(self.engine, "snapshot_checkpoint", None)
         if not background or snapshot_fn is None or not engine_changed:
             await self._write(intake, ckpt, leases, engine_changed, None)
@@ -118,13 +128,15 @@ class Checkpointer:
         while True:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
-                engine_path = str(self.dir / "engine")
+                engine_path = str(self.dir / ckpt.engine_dir)
                 if snap is not None:
                     await asyncio.to_thread(self.engine.write_checkpoint, snap, engine_path)
                 elif engine_changed:
                     await asyncio.to_thread(self.engine.save_checkpoint, engine_path)
                 state = ckpt.model_dump_json()
                 await asyncio.to_thread(write_text_atomic, self.dir / STATE_FILE, state)
+                self._engine_dir = ckpt.engine_dir
+                await asyncio.to_thread(self._remove_other_engine_states)
             except OSError as e:
                 failures += 1
                 self.write_failures += 1
@@ -149,6 +161,17 @@ class Checkpointer:
             if failures:
                 log.warning("checkpoint_write_recovered", step=ckpt.trainer.step, failures=failures)
             return
+
+    def _remove_other_engine_states(self) -> None:
+        """Every engine state but the one `trainer_state.json` names (after it was replaced)."""
+        for path in self.dir.glob("engine*"):
+            if path.name == self._engine_dir:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
     async def flush(self) -> None:
         """Wait for background checkpoints (and their acks) to land; re-raises a write's

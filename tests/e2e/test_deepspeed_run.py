@@ -45,12 +45,15 @@ def test_two_deepspeed_ranks_train_with_exact_accounting(tmp_path):
     assert re.search(r"trainer_rank_stopped\s+exit_code=0", _log(out, FOLLOWER))
     assert "rank_group_leading" in _log(out, "trainer-0")
     assert "worker_restarted" not in err.decode()
-    assert (out / "checkpoint" / "engine" / "latest").is_file()  # a DeepSpeed checkpoint
+    (engine,) = (out / "checkpoint").glob("engine*")  # the one the state names, no other
+    assert (engine / "latest").is_file()  # a DeepSpeed checkpoint
 
 
 def test_rank1_sigkilled_mid_run_resumes_from_the_deepspeed_checkpoint(tmp_path):
     out = tmp_path / "kill"
-    proc = start_run(out, *RANKS, "train.total_steps=20", "nats.ack_wait_s=4")
+    proc = start_run(
+        out, *RANKS, "train.total_steps=20", "nats.ack_wait_s=4", "train.record_batches=true"
+    )
     try:
         wait_steps(proc, out, 6)
         pid = _worker_pid(proc.pid, FOLLOWER)
@@ -69,3 +72,8 @@ def test_rank1_sigkilled_mid_run_resumes_from_the_deepspeed_checkpoint(tmp_path)
     summary = check_invariants(out, eta=4, B=16)  # every step once, every task once
     assert summary["steps"] == 20
     assert "worker_restarted" in err.decode()
+    # ZeRO-2 (the default stage) across the restart: steps redone after it overwrote their
+    # records, so the records are the batches that count, and one process reproduces them:
+    # every loss within 1e-5; the weights after 20 steps drift a little further than after 10
+    # (sums in another order, ~5e-7 a step: 1.06e-5 measured), hence 3e-5 for them
+    assert_matches_one_process(out, weights_atol=3e-5)

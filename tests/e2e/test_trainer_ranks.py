@@ -29,10 +29,12 @@ def _log(out: Path, wid: str) -> str:
     return (out / "logs" / f"{wid}.log").read_text(errors="replace")
 
 
-def assert_matches_one_process(out: Path, atol: float = 1e-5) -> None:
+def assert_matches_one_process(
+    out: Path, atol: float = 1e-5, weights_atol: float | None = None
+) -> None:
     """Replay the run's recorded batches through the torch engine (one process) built from
-    the run's own config: every step's loss as metrics.jsonl has it, and the final weights as
-    the run published them (`out/final`), within `atol`."""
+    the run's own config: every step's loss as metrics.jsonl has it within `atol`, and the
+    final weights as the run published them (`out/final`) within `weights_atol` (`atol`)."""
     from safetensors.torch import load_file
 
     from areal.config import load_settings
@@ -40,7 +42,8 @@ def assert_matches_one_process(out: Path, atol: float = 1e-5) -> None:
 
     one = ["train.engine=torch", "train.nproc=1", "train.record_batches=false"]
     reference = make_engine(load_settings(out / "config.json", one))
-    stats, recs = replay(reference, out / "batches"), records(out)
+    recs = records(out)  # the steps that count (a step redone after a restart: its last run)
+    stats = replay(reference, out / "batches", [r["version"] for r in recs])
     assert len(stats) == len(recs) > 0
     for got, ran in zip(stats, recs, strict=True):
         assert abs(got["loss"] - ran["loss"]) <= atol, (ran["step"], got["loss"], ran["loss"])
@@ -49,7 +52,7 @@ def assert_matches_one_process(out: Path, atol: float = 1e-5) -> None:
     assert final.keys() == ref.keys()
     worst = max((final[k].float() - ref[k].float()).abs().max().item() for k in ref)
     print(f"replayed {len(stats)} steps on one process: final weights within {worst:.2e}")
-    assert worst <= atol
+    assert worst <= (atol if weights_atol is None else weights_atol)
 
 
 @pytest.mark.slow  # a 10-step run with two trainer ranks: ~1 minute on 2 cores

@@ -118,3 +118,53 @@ _real_sleep = asyncio.sleep
 
 async def _fast_sleep(delay: float, *a, **kw) -> None:
     await _real_sleep(0)  # the retry backoff, without the wall-clock wait
+
+
+class VersionEngine:
+    """Its checkpoint is a file holding its version; `load_checkpoint` reads it back."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    def save_checkpoint(self, path: str) -> None:
+        Path(path).write_text(str(self.version))
+
+    def load_checkpoint(self, path: str) -> None:
+        self.version = int(Path(path).read_text())
+
+
+async def test_a_crash_between_the_engine_and_the_state_write_keeps_the_previous_pair(
+    tmp_path, monkeypatch
+):
+    """A rank SIGKILLed mid-checkpoint: the new engine state is on disk, the new
+    trainer_state.json is not. The resume must pair the old state with the old engine state
+    (new weights with an older step count would train that step twice)."""
+    import areal.services.checkpoints as ck
+
+    engine, d = VersionEngine(), tmp_path / "ckpt"
+    ckpt = Checkpointer(engine, d, noop)
+    intake, _ = filed_intake()
+    engine.version = 1
+    await ckpt.save(intake, background=False)
+    assert [p.name for p in d.glob("engine*")] == ["engine-00000001"]
+
+    def crash(path: Path, text: str) -> None:
+        raise SystemExit("killed between the two writes")
+
+    engine.version = 2  # the next step trained
+    monkeypatch.setattr(ck, "write_text_atomic", crash)
+    with pytest.raises(SystemExit):
+        await ckpt.save(intake, background=False)
+    assert sorted(p.name for p in d.glob("engine*")) == ["engine-00000001", "engine-00000002"]
+    monkeypatch.undo()
+
+    engine2 = VersionEngine()
+    fresh = Checkpointer(engine2, d, noop)
+    state = fresh.load()
+    assert state is not None and state.engine_dir == "engine-00000001"
+    await fresh.load_engine()
+    assert engine2.version == 1  # the weights of the state's step, not the newer ones
+    engine2.version = 2  # the resumed trainer redoes step 2, then checkpoints it
+    await fresh.save(intake, background=False)
+    assert [p.name for p in d.glob("engine*")] == ["engine-00000002"]  # the stale one went
+    assert fresh.load().engine_dir == "engine-00000002"
