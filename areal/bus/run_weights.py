@@ -186,6 +186,8 @@ class RunWeights:
         self._channel: WeightsChannel | None = None  # started on first use
         self._lock = asyncio.Lock()
         self._logged: set[str] = set()  # rejections already logged (one line per forgery)
+        # announcement stream seq -> its trusted announcement (None: missing, bad or forged)
+        self._scanned: dict[int, WeightAnnouncement | None] = {}
 
     # ------------------------------------------------------------ trust
     def rejection(self, ann: WeightAnnouncement) -> str | None:
@@ -373,6 +375,11 @@ class RunWeights:
         the weights stream holds; None only when it holds none (nothing announced yet, or
         nothing the trainer signed). Messages that do not decode or verify are skipped.
 
+        A message of a stream never changes at its sequence number, so each one is fetched,
+        decoded and verified once per worker (`_scanned`): a call costs one round trip (the
+        last message) plus the messages that arrived since the previous call, not a re-read
+        and re-verification of the whole history (which made every call O(versions)).
+
         Any other failure (no weights stream, a closed connection, a timeout) raises: a
         restoring trainer must not take it for "no weights"."""
         stream, subject = self.names.stream(S.WEIGHTS), self.names.subject(S.WEIGHTS)
@@ -382,20 +389,34 @@ class RunWeights:
             if e.err_code == NO_MESSAGE_FOUND:
                 return None
             raise
-        first_seq = (await self._js.stream_info(stream)).state.first_seq or 1
-        best: WeightAnnouncement | None = None
-        for seq in range(last.seq, max(first_seq, last.seq - LATEST_SCAN + 1) - 1, -1):
-            msg = last if seq == last.seq else await self._message(stream, seq)
-            if msg is None:
-                continue
-            try:
-                ann = decode(msg.data, WeightAnnouncement)
-            except DecodeError as e:
-                self._log_once(f"decode/{seq}", "bad_weight_announcement", reason=str(e))
-                continue
-            if self.rejection(ann) is None and (best is None or ann.version > best.version):
-                best = ann
-        return best
+        if self._scanned and last.seq < max(self._scanned):
+            self._scanned.clear()  # the stream was recreated: its sequence numbers restarted
+        lo = max(1, last.seq - LATEST_SCAN + 1)
+        for seq in [s for s in self._scanned if s < lo]:
+            del self._scanned[seq]
+        if last.seq not in self._scanned:
+            self._scanned[last.seq] = self._trusted(last.seq, last)
+        missing = [seq for seq in range(lo, last.seq) if seq not in self._scanned]
+        if missing:  # only what arrived since the last call (all of it on the first call)
+            first_seq = (await self._js.stream_info(stream)).state.first_seq or 1
+            for seq in [s for s in self._scanned if s < first_seq]:
+                del self._scanned[seq]  # discarded by the stream's limits since
+            for seq in missing:
+                msg = await self._message(stream, seq) if seq >= first_seq else None
+                self._scanned[seq] = self._trusted(seq, msg)
+        trusted = [a for a in self._scanned.values() if a is not None]
+        return max(trusted, key=lambda a: a.version, default=None)
+
+    def _trusted(self, seq: int, msg) -> WeightAnnouncement | None:
+        """The announcement message `seq` holds if it decodes and the trainer signed it."""
+        if msg is None:
+            return None
+        try:
+            ann = decode(msg.data, WeightAnnouncement)
+        except DecodeError as e:
+            self._log_once(f"decode/{seq}", "bad_weight_announcement", reason=str(e))
+            return None
+        return ann if self.rejection(ann) is None else None
 
     async def _message(self, stream: str, seq: int):
         """Message `seq` of `stream`, None when it is gone (discarded by the stream's limits)."""

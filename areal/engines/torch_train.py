@@ -115,16 +115,20 @@ class TorchTrainEngine:
         t0 = time.perf_counter()
         cfg = self.loss_cfg
         check_seqs(seqs)
-        if cfg.decoupled and self.prox_logp == "recompute":
-            # Proximal policy = the current weights, evaluated before any update of this step.
-            for s, lp in zip(seqs, self.compute_logp(seqs, max_tokens_per_mb), strict=True):
-                s.prox_logp = lp
-
         chunks = [c for c in split_contiguous(seqs, self.n_minibatches) if c]
+        recompute = cfg.decoupled and self.prox_logp == "recompute"
+        if recompute:
+            # Proximal policy = the current weights, evaluated before any update of this step.
+            # The first minibatch's are its own training forward's log-probs (detached: the
+            # same weights, no update yet), so only the later minibatches need a forward now.
+            later = [s for c in chunks[1:] for s in c]
+            for s, lp in zip(later, self.compute_logp(later, max_tokens_per_mb), strict=True):
+                s.prox_logp = lp
         outs, grad_norms, skipped = [], [], 0
         n_mb, tokens, padded_tokens = 0, 0, 0
         params = [p for p in self.model.parameters() if p.requires_grad]
-        for chunk in chunks:
+        for k, chunk in enumerate(chunks):
+            prox_mode = "current" if recompute and k == 0 else self.prox_logp
             denom = float(sum(len(s.output_ids) for s in chunk))  # loss tokens of this minibatch
             self.optimizer.zero_grad(set_to_none=True)
             chunk_outs = []
@@ -136,7 +140,7 @@ class TorchTrainEngine:
                 tokens += sum(seq_len(s) for s in mb_seqs)
                 padded_tokens += self.fwd.padded_tokens(mb_seqs)
                 out = microbatch_loss(
-                    self.fwd, mb_seqs, cfg, self.prox_logp, self.version, denom, self.device
+                    self.fwd, mb_seqs, cfg, prox_mode, self.version, denom, self.device
                 )
                 out.loss.backward()
                 chunk_outs.append(out)
@@ -263,7 +267,10 @@ def microbatch_loss(
     """Forward one micro-batch with grad and return its decoupled-PPO loss (not yet backwarded).
 
     Per-token adv = the seq's adv on every output token; loss mask = all output tokens. The
-    per-token entropy of the same forward goes into the stats (no grad).
+    per-token entropy of the same forward goes into the stats (no grad). `prox_mode`:
+    "recompute" takes each seq's `prox_logp`; "current" the detached log-probs of this very
+    forward (the proximal policy when no update happened yet this step); "loglinear"
+    interpolates between behaviour and current log-probs by version.
     """
     logps, ents = fwd.logp_and_entropy(seqs)
     logp, entropy = torch.cat(logps), torch.cat(ents)  # [N], [N]
@@ -272,6 +279,8 @@ def microbatch_loss(
     mask = torch.ones_like(logp, dtype=torch.bool)
     if not cfg.decoupled:
         prox = behav  # unused by the loss
+    elif prox_mode == "current":  # the weights being trained, before their first update
+        prox = logp.detach()
     elif prox_mode == "recompute":
         prox = torch.cat([s.prox_logp for s in seqs]).to(device, torch.float32)
     else:

@@ -32,7 +32,7 @@ from tests.factories import make_sample, make_task
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 RUN = "poison"
-G, B, ETA, MAX_NEW = 8, 16, 4, 6  # examples/arithmetic.yaml
+G, B, ETA, MAX_NEW = 8, 16, 1, 6  # examples/arithmetic.yaml
 HUGE_ID = 10**6  # beyond any vocabulary here
 # long enough for the redeliveries of a never-admitted sample (~1 s apart) to end before the run
 STEPS = 30

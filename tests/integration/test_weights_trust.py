@@ -193,6 +193,42 @@ async def test_a_forged_high_version_never_blocks_the_real_ones(buses, model_dir
         await sub.unsubscribe()
 
 
+async def test_latest_verifies_each_announcement_once(
+    buses, model_dir, monkeypatch, nats_url, run_id, keys
+):
+    """`latest` is called on every version change by the reward and controller workers: it
+    reads and verifies only the announcements that arrived since its previous call (it used to
+    re-read and re-verify the whole history, O(versions) per call), and still skips forgeries."""
+    blob = save(export_state_dict(Rollout(buses["rollout"], model_dir).engine.model))
+    reader = buses["rollout"]
+    checked: list[str] = []
+    real_verify = RunKeys.verify
+
+    def verify(self: RunKeys, payload: bytes, signature: str) -> bool:
+        checked.append(signature)
+        return real_verify(self, payload, signature)
+
+    monkeypatch.setattr(RunKeys, "verify", verify)
+    for v in range(1, 6):
+        await buses["trainer"].put_weights(v, blob, "float32", step=v)
+    assert (await reader.latest_weights()).version == 5
+    assert len(checked) == 5  # the history, once
+    for _ in range(3):
+        assert (await reader.latest_weights()).version == 5
+    assert len(checked) == 5  # nothing new: nothing verified again
+    await buses["other_key"].put_weights(FORGED_VERSION, blob, "float32", step=1)
+    await buses["trainer"].put_weights(6, blob, "float32", step=6)
+    await buses["other_key"].put_weights(FORGED_VERSION + 1, blob, "float32", step=1)
+    assert (await reader.latest_weights()).version == 6
+    assert len(checked) == 8  # the three new announcements, the two forgeries refused
+    # a worker that starts now reads the whole history once, and agrees
+    late = await Bus.connect(nats_url, run_id, "controller", "controller-0", keys=keys.public())
+    try:
+        assert (await late.latest_weights()).version == 6
+    finally:
+        await late.close()
+
+
 @pytest.mark.parametrize("defect", ["wrong_shape", "nan"])
 async def test_a_bad_blob_signed_by_the_trainer_changes_nothing(buses, model_dir, defect):
     """Even the trainer's own signature does not make a blob that does not fit loadable."""

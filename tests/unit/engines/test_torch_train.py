@@ -175,6 +175,37 @@ def test_micro_batch_split_does_not_change_the_step(model_dir):
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-4)  # the accumulated grads
 
 
+def test_first_minibatch_proximal_policy_is_its_own_forward(model_dir):
+    """`train_step` recomputes prox_logp only for the minibatches after the first: the first
+    one's proximal policy is the weights before any update, which its own training forward
+    already evaluates. The loss and gradient equal those of a separately recomputed prox."""
+    from areal.engines.torch_train import microbatch_loss
+
+    eng = train_engine(model_dir, lr=1e-2)
+    cfg = PPOLossConfig(decoupled=True)
+    seqs = make_seqs()  # off-policy: behaviour log-probs 0, so the behaviour weights matter
+    for s, lp in zip(seqs, eng.compute_logp(seqs, 64), strict=True):
+        s.prox_logp = lp
+    denom = float(sum(len(s.output_ids) for s in seqs))
+    grads = []
+    for mode in ("recompute", "current"):
+        eng.optimizer.zero_grad(set_to_none=True)
+        out = microbatch_loss(eng.fwd, seqs, cfg, mode, eng.version, denom, eng.device)
+        out.loss.backward()
+        grads.append((out.loss.detach(), [p.grad.clone() for p in eng.model.parameters()]))
+    (loss_r, grad_r), (loss_c, grad_c) = grads
+    torch.testing.assert_close(loss_c, loss_r, atol=1e-6, rtol=1e-5)
+    for gc, gr in zip(grad_c, grad_r, strict=True):
+        torch.testing.assert_close(gc, gr, atol=1e-6, rtol=1e-4)
+    # and train_step runs the extra no-grad forward over the later minibatch only
+    eng2 = train_engine(model_dir, n_minibatches=2)
+    counted: list[int] = []
+    real = eng2.compute_logp
+    eng2.compute_logp = lambda ss, n: counted.append(len(ss)) or real(ss, n)
+    eng2.train_step(make_seqs(), 64)
+    assert counted == [len(SHAPES) - len(SHAPES) // 2]
+
+
 def make_seqs_like(seqs: list[TrainSeq]) -> list[TrainSeq]:
     return [
         TrainSeq(s.prompt_ids, s.output_ids, s.behav_logp.clone(), s.versions, s.adv) for s in seqs
