@@ -146,6 +146,32 @@ def test_whatever_passes_is_safe_to_train_on(ids, logps, versions, reward):
         assert math.isfinite(reward) and -1 <= reward <= 1
 
 
+@given(
+    st.lists(st.integers(-(2**31), 2**31 - 1), max_size=12),
+    st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), max_size=12),
+    st.lists(st.integers(-3, 4), max_size=12),
+    st.sampled_from(["int32", "int64"]),
+)
+def test_short_arrays_checked_in_python_get_numpys_verdict(ids, logps, versions, vdtype):
+    """Short arrays are checked as Python lists (numpy's per-call cost dominated validation);
+    the verdict, reason included, is the one the numpy path gives."""
+    from unittest import mock
+
+    import areal.core.validate as validate
+
+    n = min(len(ids), len(logps), len(versions))
+    s = make_sample(
+        n=n,
+        output_ids=pack(ids[:n], "int32"),
+        behav_logp=pack(np.array(logps[:n], dtype=np.float32), "float32"),
+        versions=pack(versions[:n], vdtype),
+    )
+    fast = check_scored(ScoredSample(sample=s, reward=0.5), B, latest_version=2)
+    with mock.patch.object(validate, "_SMALL", 0):  # every array through numpy
+        slow = check_scored(ScoredSample(sample=s, reward=0.5), B, latest_version=2)
+    assert fast == slow
+
+
 # ---------------------------------------------------------------- intake accounting
 
 
