@@ -57,7 +57,9 @@ from areal.engines.torch_infer import resolve_dtype
 from areal.engines.torch_train import (
     check_seqs,
     export_state_dict,
+    fill_prox_logp,
     microbatch_loss,
+    minibatch_prox_mode,
     split_contiguous,
 )
 
@@ -275,18 +277,15 @@ class DeepSpeedTrainEngine:
         t0 = time.perf_counter()
         check_seqs(seqs)
         cfg = self.cfg.loss_cfg
-        if cfg.decoupled and self.cfg.prox_logp == "recompute":
-            # Proximal policy = the current weights, evaluated before any update of this step.
-            for s, lp in zip(seqs, self.compute_logp(seqs, max_tokens_per_mb), strict=True):
-                s.prox_logp = lp
-
         chunks = [c for c in split_contiguous(seqs, self.cfg.n_minibatches) if c]
+        fill_prox_logp(chunks, cfg, self.cfg.prox_logp, self.compute_logp, max_tokens_per_mb)
         plans = [self._plan(chunk, max_tokens_per_mb) for chunk in chunks]
         n_rows = sum(len(p) for p in plans)
         rows = torch.zeros(n_rows + self.world, len(_ROW), dtype=torch.float64, device=self.device)
         applied, grad_norms, offset = [], [], 0
-        for chunk, mbs in zip(chunks, plans, strict=True):
-            step_ok, norm = self._minibatch(chunk, mbs, rows[offset : offset + len(mbs)])
+        for k, (chunk, mbs) in enumerate(zip(chunks, plans, strict=True)):
+            prox_mode = minibatch_prox_mode(cfg, self.cfg.prox_logp, k)
+            step_ok, norm = self._minibatch(chunk, mbs, rows[offset : offset + len(mbs)], prox_mode)
             applied.append(step_ok)
             if step_ok:
                 grad_norms.append(norm)
@@ -331,7 +330,7 @@ class DeepSpeedTrainEngine:
         return mbs
 
     def _minibatch(
-        self, chunk: list[TrainSeq], mbs: list[list[TrainSeq]], rows: torch.Tensor
+        self, chunk: list[TrainSeq], mbs: list[list[TrainSeq]], rows: torch.Tensor, prox_mode: str
     ) -> tuple[bool, float]:
         """One optimizer step over ``mbs`` (this rank's share), writing this rank's rows of
         ``rows`` [len(mbs), len(_ROW)]; returns (step applied, global grad norm)."""
@@ -350,7 +349,7 @@ class DeepSpeedTrainEngine:
                 self.fwd,
                 mbs[i] if real else dummy,
                 self.cfg.loss_cfg,
-                self.cfg.prox_logp,
+                prox_mode,
                 self.version,
                 denom,
                 self.device,

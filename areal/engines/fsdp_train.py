@@ -57,7 +57,9 @@ from areal.engines.torch_infer import resolve_dtype
 from areal.engines.torch_train import (
     TorchTrainEngine,
     check_seqs,
+    fill_prox_logp,
     microbatch_loss,
+    minibatch_prox_mode,
     split_contiguous,
 )
 
@@ -158,14 +160,12 @@ class FSDPTrainEngine:
     def train_step(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> dict[str, float]:
         t0 = time.perf_counter()
         check_seqs(seqs)
-        if self.loss_cfg.decoupled and self.prox_logp == "recompute":
-            # Proximal policy = the current weights, evaluated before any update of this step.
-            for s, lp in zip(seqs, self.compute_logp(seqs, max_tokens_per_mb), strict=True):
-                s.prox_logp = lp
         chunks = [c for c in split_contiguous(seqs, self.n_minibatches) if c]
+        fill_prox_logp(chunks, self.loss_cfg, self.prox_logp, self.compute_logp, max_tokens_per_mb)
         totals = _StepTotals()
-        for chunk in chunks:
-            self._train_minibatch(chunk, max_tokens_per_mb, totals)
+        for k, chunk in enumerate(chunks):
+            prox_mode = minibatch_prox_mode(self.loss_cfg, self.prox_logp, k)
+            self._train_minibatch(chunk, max_tokens_per_mb, totals, prox_mode)
         self.version += 1
         stats = self._reduced_stats(totals.outs)
         stats["loss"] /= max(len(chunks), 1)  # mean over minibatches of each minibatch's mean
@@ -183,7 +183,9 @@ class FSDPTrainEngine:
         return stats
 
     # ---------------------------------------------------------------- training
-    def _train_minibatch(self, chunk: list[TrainSeq], max_tokens: int, totals: _StepTotals) -> None:
+    def _train_minibatch(
+        self, chunk: list[TrainSeq], max_tokens: int, totals: _StepTotals, prox_mode: str
+    ) -> None:
         """One optimizer step over ``chunk`` (this rank's share of its micro-batches)."""
         denom = float(sum(len(s.output_ids) for s in chunk))  # loss tokens of the minibatch
         mbs = [
@@ -204,7 +206,7 @@ class FSDPTrainEngine:
             mb = mbs[mine[k]] if real else mbs[0]  # a dummy: same collectives, zero weight
             with self._offload():
                 out = microbatch_loss(
-                    self.fwd, mb, self.loss_cfg, self.prox_logp, self.version, denom, self.device
+                    self.fwd, mb, self.loss_cfg, prox_mode, self.version, denom, self.device
                 )
                 (out.loss if real else out.loss * 0.0).backward()
             if real:

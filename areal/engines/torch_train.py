@@ -22,6 +22,7 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,7 +44,9 @@ __all__ = [
     "TorchTrainEngine",
     "check_seqs",
     "export_state_dict",
+    "fill_prox_logp",
     "microbatch_loss",
+    "minibatch_prox_mode",
     "split_contiguous",
 ]
 
@@ -116,19 +119,12 @@ class TorchTrainEngine:
         cfg = self.loss_cfg
         check_seqs(seqs)
         chunks = [c for c in split_contiguous(seqs, self.n_minibatches) if c]
-        recompute = cfg.decoupled and self.prox_logp == "recompute"
-        if recompute:
-            # Proximal policy = the current weights, evaluated before any update of this step.
-            # The first minibatch's are its own training forward's log-probs (detached: the
-            # same weights, no update yet), so only the later minibatches need a forward now.
-            later = [s for c in chunks[1:] for s in c]
-            for s, lp in zip(later, self.compute_logp(later, max_tokens_per_mb), strict=True):
-                s.prox_logp = lp
+        fill_prox_logp(chunks, cfg, self.prox_logp, self.compute_logp, max_tokens_per_mb)
         outs, grad_norms, skipped = [], [], 0
         n_mb, tokens, padded_tokens = 0, 0, 0
         params = [p for p in self.model.parameters() if p.requires_grad]
         for k, chunk in enumerate(chunks):
-            prox_mode = "current" if recompute and k == 0 else self.prox_logp
+            prox_mode = minibatch_prox_mode(cfg, self.prox_logp, k)
             denom = float(sum(len(s.output_ids) for s in chunk))  # loss tokens of this minibatch
             self.optimizer.zero_grad(set_to_none=True)
             chunk_outs = []
@@ -253,6 +249,32 @@ def check_seqs(seqs: list[TrainSeq]) -> None:
             )
         if len(s.prompt_ids) == 0:
             raise ValueError("TrainSeq with an empty prompt")
+
+
+def fill_prox_logp(
+    chunks: list[list[TrainSeq]],
+    cfg: PPOLossConfig,
+    prox_mode: str,
+    compute_logp: Callable[[list[TrainSeq], int], list[torch.Tensor]],
+    max_tokens_per_mb: int,
+) -> None:
+    """Set ``prox_logp`` (decoupled PPO, "recompute") on the minibatches after the first.
+
+    Proximal policy = the current weights, evaluated before any update of this step. The first
+    minibatch's are its own training forward's log-probs (detached: the same weights, no
+    update yet; ``minibatch_prox_mode``), so only the later minibatches need a no-grad forward
+    now. Every engine (and every rank of one) calls this with the same chunks."""
+    if not (cfg.decoupled and prox_mode == "recompute"):
+        return
+    later = [s for c in chunks[1:] for s in c]
+    if later:
+        for s, lp in zip(later, compute_logp(later, max_tokens_per_mb), strict=True):
+            s.prox_logp = lp
+
+
+def minibatch_prox_mode(cfg: PPOLossConfig, prox_mode: str, k: int) -> str:
+    """The ``microbatch_loss`` prox mode of minibatch ``k`` (see ``fill_prox_logp``)."""
+    return "current" if cfg.decoupled and prox_mode == "recompute" and k == 0 else prox_mode
 
 
 def microbatch_loss(
