@@ -234,6 +234,14 @@ class ModelSettings(_Part):
         ge=0,
         description="supervised steps that warm-start the tiny preset (cached); None = task default",
     )
+    warm_start_label_smoothing: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="label smoothing of the warm start's supervised loss; None = task default "
+        "(0.1 for arithmetic, 0 otherwise). Smoothing leaves the model right when decoding "
+        "greedily but unsure when sampling hot: the regime where RL sharpens it fast",
+    )
     warm_start_lock_timeout_s: float = Field(
         900.0,
         gt=0,

@@ -27,6 +27,22 @@ from pathlib import Path
 
 from _common import REPO_ROOT
 
+# The long-generation workload of bench/async_vs_sync.py and `bench/vs_trl.py --workload long`,
+# as overrides of examples/arithmetic.yaml (B=16, G=8, T=1.5, lr 3e-4, 2 minibatches). The
+# `small` preset (Qwen2, 4 layers of width 256, ~3.2M params) on running sums with a long tail
+# of lengths: up to 12 terms, P(k) ~ 1/k, so most answers take a few tokens and a few take 30+,
+# up to 96 at T=1.5. Its warm start (300 supervised steps, cached) is label-smoothed like the
+# quickstart's: it decodes 0.44 right greedily but samples 0.13 right at T=1.5, so RL has
+# something to sharpen within a few dozen steps. (Unsmoothed, at T=1.0 with up to 24 terms, the
+# setting until 2026-12, no system learned within 40 steps.)
+LONG_WORKLOAD = (
+    "model.preset=small",
+    "model.warm_start_label_smoothing=0.1",
+    "data.source=synthetic:running_sum",
+    "data.task_kwargs={max_terms: 12, tail: 1.0}",
+    "rollout.max_new_tokens=96",
+)
+
 # worker id (`rollout-0`, `trainer-0`, `controller-0`, `reward-0`) -> CPU set, or None = leave
 Pinning = Callable[[str], set[int] | None]
 

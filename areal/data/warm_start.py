@@ -259,15 +259,16 @@ def ensure_warm_model(
     cache_dir: str | Path | None,
     task_kwargs: dict[str, Any] | None = None,
     lr: float | None = None,
+    label_smoothing: float | None = None,
     preset: TinyPreset = TINY_PRESET,
     lock_timeout_s: float = LOCK_TIMEOUT_S,
     lock_progress_s: float = LOCK_PROGRESS_S,
 ) -> Path:
     """Path of the warm-started model directory for (task, recipe, seed), building it if it is
     not cached under `cache_root(cache_dir)` (pass the settings' `cache_dir`; None = the default
-    dir). `sft_steps` / `lr` default to the task's entry in `DEFAULT_RECIPES`. While another
-    process builds the same model this waits for it, at most `lock_timeout_s` (then
-    `WarmStartLockTimeout`), logging the holder every `lock_progress_s`."""
+    dir). `sft_steps` / `lr` / `label_smoothing` default to the task's entry in
+    `DEFAULT_RECIPES`. While another process builds the same model this waits for it, at most
+    `lock_timeout_s` (then `WarmStartLockTimeout`), logging the holder every `lock_progress_s`."""
     task_kwargs = dict(task_kwargs or {})
     base = DEFAULT_RECIPES.get(task_spec, FALLBACK_RECIPE)
     recipe = SftRecipe(
@@ -275,7 +276,7 @@ def ensure_warm_model(
         lr=base.lr if lr is None else lr,
         batch_size=base.batch_size,
         warmup_steps=min(base.warmup_steps, max(1, sft_steps or base.steps)),
-        label_smoothing=base.label_smoothing,
+        label_smoothing=base.label_smoothing if label_smoothing is None else label_smoothing,
     )
     if recipe.steps < 0:
         raise ValueError(f"sft_steps must be >= 0, got {recipe.steps}")

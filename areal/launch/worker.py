@@ -120,6 +120,7 @@ def resolve_model_path(settings: RunSettings) -> str:
         ensure_warm_model(
             d.source,
             sft_steps=settings.model.warm_start_steps,
+            label_smoothing=settings.model.warm_start_label_smoothing,
             seed=settings.seed,
             cache_dir=settings.cache_dir,
             task_kwargs=task_kwargs,

@@ -84,6 +84,35 @@ def test_presets_are_separate_cache_entries_with_their_dims(tmp_path, monkeypatc
         load_settings(None, ["model.preset=huge"])
 
 
+def test_label_smoothing_is_part_of_the_recipe_and_its_cache_key(tmp_path, monkeypatch):
+    from areal.config import ConfigError, load_settings
+    from areal.launch.worker import resolve_model_path
+
+    kw = dict(sft_steps=0, seed=0, cache_dir=tmp_path, task_kwargs={"max_terms": 4})
+    plain = ensure_warm_model("synthetic:running_sum", **kw)
+    smoothed = ensure_warm_model("synthetic:running_sum", label_smoothing=0.1, **kw)
+    assert plain != smoothed
+    meta = json.loads((smoothed / "areal_warm_start.json").read_text())
+    assert meta["recipe"]["label_smoothing"] == 0.1
+    assert (
+        json.loads((plain / "areal_warm_start.json").read_text())["recipe"]["label_smoothing"]
+        == warm_start.DEFAULT_RECIPES["synthetic:running_sum"].label_smoothing
+    )
+    monkeypatch.setenv("AREAL_CACHE_DIR", str(tmp_path))
+    settings = load_settings(
+        None,
+        [
+            "data.source=synthetic:running_sum",
+            "data.task_kwargs={max_terms: 4}",
+            "model.warm_start_steps=0",
+            "model.warm_start_label_smoothing=0.1",
+        ],
+    )
+    assert resolve_model_path(settings) == str(smoothed)
+    with pytest.raises(ConfigError, match="model.warm_start_label_smoothing"):
+        load_settings(None, ["model.warm_start_label_smoothing=1.5"])
+
+
 class _Recorder:
     """Stands in for the module's structlog logger: keeps (event, fields)."""
 
