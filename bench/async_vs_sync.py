@@ -13,9 +13,8 @@ examples/arithmetic.yaml's (B=16, G=8, T=1.5, lr 3e-4, 2 minibatches). The warm 
 a target reward measures learning speed. (The workload until 2026-12, unsmoothed, T=1.0, up to
 24 terms, did not learn within 40 steps in any mode.) Why the small preset and not the
 quickstart's tiny one: with 0.4M parameters a sample is so cheap that per-sample messaging,
-scoring and NATS compete with the model for the 2 cores (the tiny preset on this task gave
-1.26x at commit 02c8eaa, 1.03-1.28x at ae04e5e); a real LLM's per-sample compute is orders of
-magnitude larger still.
+scoring and NATS compete with the model for the 2 cores (the tiny preset gave 1.03-1.28x at
+commit ae04e5e); a real LLM's per-sample compute is orders of magnitude larger still.
 
 Modes:
 - sync-colocated: `max_staleness=0`, not interruptible, no pinning, `rollout.torch_threads=2`
