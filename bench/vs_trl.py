@@ -87,6 +87,7 @@ from _rl import (  # noqa: E402
     show_cmd,
     time_to_target,
     top_other_processes,
+    warm_line,
 )
 from _vs_trl_report import SYSTEMS, plot, run_table, summary_lines, summary_table  # noqa: E402
 
@@ -196,8 +197,8 @@ def run_workload(wl: Workload, args: argparse.Namespace, server_url: str, tmp: s
     )
     print(header, flush=True)
     model = prewarm(CONFIG, ov)
-    warm_line = f"- warm-start model (step 0): {model}, eval {eval_model(model, CONFIG, ov):.3f}"
-    print(warm_line, flush=True)
+    warm = warm_line(model, CONFIG, ov)
+    print(warm, flush=True)
     import trl
 
     runs: dict[str, list[RunResult]] = {s: [] for s in SYSTEMS}
@@ -263,7 +264,7 @@ def run_workload(wl: Workload, args: argparse.Namespace, server_url: str, tmp: s
             header,
             f"- TRL {trl.__version__} (`trl.GRPOTrainer`, bench/_trl_grpo.py); settings mapping "
             "in bench/vs_trl.py's docstring",
-            warm_line,
+            warm,
             code_note([r for rs in runs.values() for r in rs]),
             f"- total bench time: {total_s / 60:.1f} min; 1-min load before->after each run: "
             f"{loads}",
