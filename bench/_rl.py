@@ -33,8 +33,8 @@ from _common import REPO_ROOT
 # of lengths: up to 12 terms, P(k) ~ 1/k, so most answers take a few tokens and a few take 30+,
 # up to 96 at T=1.5. Its warm start (300 supervised steps, cached) is label-smoothed like the
 # quickstart's: on 512 held-out tasks it samples 0.143 right at T=1.5 but decodes 0.449 right
-# greedily (`warm_line`), so RL has something to sharpen within a few dozen steps. (Unsmoothed, at T=1.0 with up to 24 terms, the
-# setting until 2026-12, no system learned within 40 steps.)
+# greedily (`warm_line`), so RL has something to sharpen within a few dozen steps. (The setting
+# until 2026-12, unsmoothed, T=1.0, up to 24 terms, learned in no mode within 40 steps.)
 LONG_WORKLOAD = (
     "model.preset=small",
     "model.warm_start_label_smoothing=0.1",

@@ -3,18 +3,12 @@
 Same model, task, seed and number of trained samples (same `train.total_steps`) for every mode;
 whole `areal run` jobs on one private nats-server, a distinct run_id each.
 
-Workload (`WORKLOAD` = `_rl.LONG_WORKLOAD`): the built-in `small` preset (Qwen2, 4 layers of
-width 256, ~3.2M params, warm-started on the task, label-smoothed) on `synthetic:running_sum`
-with up to 12 terms and a long tail (`"3 5 1 2:" -> "3 8 9 11"`): the number of terms has a
-power law, so completion lengths are long-tailed, like a reasoning model's (most answers take a
-few tokens, a few take 30-96 at T=1.5). `rollout.max_new_tokens=96`; the other settings are
-examples/arithmetic.yaml's (B=16, G=8, T=1.5, lr 3e-4, 2 minibatches). The warm start samples
-0.143 right at T=1.5 and decodes 0.449 right greedily, so reward rises within the run and time
-to a target reward measures learning speed. (The workload until 2026-12, unsmoothed, T=1.0, up to
-24 terms, did not learn within 40 steps in any mode.) Why the small preset and not the
-quickstart's tiny one: with 0.4M parameters a sample is so cheap that per-sample messaging,
-scoring and NATS compete with the model for the 2 cores (the tiny preset gave 1.03-1.28x at
-commit ae04e5e); a real LLM's per-sample compute is orders of magnitude larger still.
+Workload: `_rl.LONG_WORKLOAD` (its comment has the details), the `small` preset (~3.2M params)
+on running sums with a long tail of answer lengths, with a label-smoothed warm start so reward
+rises within the run and time to a target reward measures learning speed. Why the small preset
+and not the quickstart's tiny one: with 0.4M parameters a sample is so cheap that per-sample
+messaging, scoring and NATS compete with the model for the 2 cores (the tiny preset gave
+1.03-1.28x at commit ae04e5e); a real LLM's per-sample compute is orders of magnitude larger.
 
 Modes:
 - sync-colocated: `max_staleness=0`, not interruptible, no pinning, `rollout.torch_threads=2`
@@ -76,7 +70,6 @@ from _rl import (  # noqa: E402
 )
 
 CONFIG = REPO_ROOT / "examples" / "arithmetic.yaml"
-WORKLOAD = list(LONG_WORKLOAD)
 ROLLOUT_CORE, TRAINER_CORE = {0}, {1}
 # controller, reward, launcher and nats-server share one role's core (--others-core): the
 # trainer's by default, since with padding-free training the rollout is the busier role
@@ -121,7 +114,7 @@ def build_modes(subset: bool) -> list[Mode]:
                 modes.append(Mode(tag, eta, inter, packing, pinned=True))
     for m in modes:
         m.overrides = [
-            *WORKLOAD,
+            *LONG_WORKLOAD,
             f"algo.max_staleness={m.eta}",
             f"rollout.interruptible={'true' if m.interruptible else 'false'}",
             f"train.packing={m.packing}",
@@ -262,7 +255,7 @@ def main() -> int:
 
     header = machine_header(
         {
-            "workload": f"{' '.join(WORKLOAD)} (long-tailed lengths), "
+            "workload": f"{' '.join(LONG_WORKLOAD)} (long-tailed lengths), "
             f"B=16, G=8, {steps} steps = {steps * 128} trained samples per run, "
             f"seed {args.seed}, base config {CONFIG.relative_to(REPO_ROOT)}"
             + (f", extra {args.extra}" if args.extra else ""),
@@ -277,7 +270,7 @@ def main() -> int:
         }
     )
     print(header, flush=True)
-    warm_ov = [*WORKLOAD, f"seed={args.seed}", *args.extra]
+    warm_ov = [*LONG_WORKLOAD, f"seed={args.seed}", *args.extra]
     warm = warm_line(prewarm(CONFIG, warm_ov), CONFIG, warm_ov)
     print(warm, flush=True)
     print("- modes: " + ", ".join(m.name for m in modes), flush=True)
