@@ -373,7 +373,7 @@ def main() -> int:
             "mode); gen tok/s = generated tokens of trained samples / wall s; t→target = trainer "
             "wall time when the rolling 10-step mean reward first reaches the target; final "
             "reward = mean of the last 10 steps; eval reward = final policy on 512 fixed held-out "
-            "tasks at T=1.0 (same tasks for every mode); rollout idle = 1 - busy_frac of the rollout's "
+            "tasks at the rollout temperature (same tasks for every mode); rollout idle = 1 - busy_frac of the rollout's "
             "last heartbeat (time outside engine.generate over its lifetime); trainer idle = "
             "`trainer_idle_frac` of the last step (time outside engine.train_step; checkpoint "
             "and weight publishing count as idle); staleness mean = mean sample staleness; "
