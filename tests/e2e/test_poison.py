@@ -131,7 +131,11 @@ async def _inject(url: str, out: Path) -> list[tuple[str, bytes, str]]:
     # run-state tampering: each must be refused by the controller, none may stop or crash it.
     # The trainer rewrites its record every step, and the controller reads the newest value, so
     # a write may be overwritten unseen: write it again until the controller has refused it.
+    # Each tampering starts from the trainer's newest record, not from one of ours that it has
+    # not overwritten yet (which may not even be JSON).
     log_path = out / "logs" / "controller-0.log"
+    ours: set[bytes] = set()
+    good = json.loads((await kv.get(TRAINER_KEY)).value)
     for tamper, refusal in (
         (lambda good: b"{not json", "undecodable"),
         (lambda good: {**good, "done": True}, "done at step"),
@@ -139,8 +143,12 @@ async def _inject(url: str, out: Path) -> list[tuple[str, bytes, str]]:
         (lambda good: {**good, "dropped_stale": 10**6}, "returned slots for"),
     ):
         for _ in range(20):
-            value = tamper(json.loads((await kv.get(TRAINER_KEY)).value))  # the latest record
+            latest = (await kv.get(TRAINER_KEY)).value
+            if latest not in ours:
+                good = json.loads(latest)
+            value = tamper(good)
             raw = value if isinstance(value, bytes) else json.dumps(value).encode()
+            ours.add(raw)
             await kv.put(TRAINER_KEY, raw)
             await asyncio.sleep(0.5)
             if refusal in log_path.read_text():
