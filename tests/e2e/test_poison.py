@@ -134,8 +134,7 @@ async def _inject(url: str, out: Path) -> list[tuple[str, bytes, str]]:
     # Each tampering starts from the trainer's newest record, not from one of ours that it has
     # not overwritten yet (which may not even be JSON).
     log_path = out / "logs" / "controller-0.log"
-    ours: set[bytes] = set()
-    good = json.loads((await kv.get(TRAINER_KEY)).value)
+    ours: set[bytes] = set()  # the first read is never ours, so `good` is set before use
     for tamper, refusal in (
         (lambda good: b"{not json", "undecodable"),
         (lambda good: {**good, "done": True}, "done at step"),
