@@ -17,6 +17,9 @@ Invariants:
   message if the trainer then died before its checkpoint);
 - every task filed ends exactly once: trained, dropped_stale, filtered or rejected (a message of
   it failed validation: `reject`); a task's samples must agree on the prompt, or it is rejected;
+- a group picked for a batch is in hand until `commit_step`: the trainer trains it while
+  messages keep arriving, so a bad message naming it then cannot retire it (it is trained, the
+  message is held with it and dead-lettered by the service);
 - a task that never ends is noticed: `overdue(horizon)` lists the admission seqs that have not
   ended although tasks admitted `horizon` or more later have (batches take the oldest groups
   first, so a gap that old means a task was lost or stuck upstream, not merely slow);
@@ -104,6 +107,7 @@ class Intake(Generic[H]):
         self.policy = policy
         self.state = state or TrainerState()
         self.groups: dict[str, Group[H]] = {}
+        self._in_hand: set[str] = set()  # task ids of the batch picked and not yet committed
         self.done_written: set[str] = set()  # tasks covered by a written checkpoint
         self.done_pending: set[str] = set()  # tasks ended since; their checkpoint is pending
         self._unacked: list[H] = []
@@ -148,6 +152,9 @@ class Intake(Generic[H]):
         if task_id in self.done_pending:
             self._unacked.append(handle)
             return Filed.DUPLICATE, None
+        if task_id in self._in_hand:  # being trained: it ends with the step, settled with it
+            self.groups[task_id].handles.append(handle)
+            return Filed.DUPLICATE, None
         group = self.groups.setdefault(task_id, Group(task_id, task_seq))
         group.handles.append(handle)
         return Filed.REJECTED, self._retire(group, "rejected", group.min_version())
@@ -180,7 +187,10 @@ class Intake(Generic[H]):
                 retired.append(self._retire(group, "filtered", vmin))
             elif len(chosen) < p.batch_size:
                 chosen.append(group)
-        return Pick(retired, chosen if len(chosen) == p.batch_size else None)
+        if len(chosen) < p.batch_size:
+            return Pick(retired, None)
+        self._in_hand = {g.task_id for g in chosen}
+        return Pick(retired, chosen)
 
     def _retire(self, group: Group[H], reason: RetireReason, vmin: int | None) -> Retired:
         self._end(group)
@@ -206,6 +216,7 @@ class Intake(Generic[H]):
         engine refused the update (a non-finite loss or gradient): the groups are used up all
         the same (counted as trained: retrying them would fail the same way)."""
         self.state.skipped_steps += int(skipped)
+        self._in_hand = set()
         for group in batch:
             self._end(group)
         st = self.state

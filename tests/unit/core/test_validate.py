@@ -197,6 +197,27 @@ def test_a_rejected_task_is_retired_once_and_its_slot_goes_back_with_the_checkpo
     assert acc.rejected == 1 and acc.in_flight == 0
 
 
+def test_a_bad_message_naming_a_group_being_trained_neither_retires_nor_crashes_it():
+    """The trainer trains a picked batch in a thread while messages keep arriving: a poison
+    naming a task of that batch arrives mid-step (found in CI: the task was retired, then
+    `commit_step` ended it a second time and the trainer crashed with a KeyError)."""
+    intake = _intake()
+    for idx in range(4):
+        intake.file(scored(task_id="run-t3", sample_idx=idx), f"h{idx}")
+    pick = intake.take_batch()
+    assert pick.batch is not None
+    assert intake.reject("run-t3", 3, "poison") == (Filed.DUPLICATE, None)  # held with it
+    other = scored(task_id="run-t3", sample_idx=1, prompt_ids=pack([9, 9], "int32"))
+    assert intake.file(other, "h-other") is Filed.INVALID  # what leads the service to reject
+    intake.commit_step(pick.batch, version=1, wall_s=0.0)
+    assert (intake.state.trained, intake.state.rejected) == (1, 0)  # ended once: trained
+    _, handles = intake.checkpoint()
+    assert sorted(handles) == ["h0", "h1", "h2", "h3", "poison"]
+    assert intake.accounting(admitted=1).in_flight == 0
+    # once committed the task has ended: a later rejection retires nothing
+    assert intake.reject("run-t3", 3, "late") == (Filed.DUPLICATE, None)
+
+
 def test_a_sample_whose_prompt_differs_from_its_groups_is_invalid():
     intake = _intake()
     assert intake.file(scored(task_id="run-t3", sample_idx=0), "h0") is Filed.HELD
