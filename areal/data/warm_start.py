@@ -35,23 +35,24 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import structlog
-import torch
-from transformers import AutoModelForCausalLM
 
-from areal.data.evaluate import evaluate_accuracy  # re-exported: callers import it from here
+from areal.data.presets import TINY_PRESET, TinyPreset
 from areal.data.tasks import SYNTHETIC_TASKS, TaskSource, make_task_source
-from areal.data.tiny_model import TINY_PRESET, TinyPreset, build_tiny_model
-from areal.data.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and transformers are imported where a model is built, not here: the launcher finds a
+# cached warm start through this module, and their imports took seconds of its start-up
 
 __all__ = [
     "DEFAULT_RECIPES",
     "SftRecipe",
     "WarmStartLockTimeout",
     "ensure_warm_model",
-    "evaluate_accuracy",
     "warm_key",
 ]
 
@@ -126,6 +127,8 @@ def warm_key(
 
 def _batch(source: TaskSource, tokenizer: Any, indices: list[int]) -> dict[str, torch.Tensor]:
     """Right-padded prompt+target+eos rows; labels are -100 on prompt and padding."""
+    import torch
+
     rows, labels = [], []
     for i in indices:
         item = source.get(i % len(source))
@@ -146,6 +149,11 @@ def _batch(source: TaskSource, tokenizer: Any, indices: list[int]) -> dict[str, 
 
 def train_sft(model_dir: Path, source: TaskSource, recipe: SftRecipe, seed: int) -> list[float]:
     """Train the model in `model_dir` in place; returns the loss of every step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from areal.data.tokenizer import load_tokenizer
+
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.train()
@@ -296,6 +304,10 @@ def ensure_warm_model(
         if final.is_dir():  # another process built it while we waited
             log.info("warm_model_cached", path=str(final))
             return final
+        import torch
+
+        from areal.data.tiny_model import build_tiny_model
+
         tmp = root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         t0 = time.monotonic()
         threads = torch.get_num_threads()

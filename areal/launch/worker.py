@@ -109,7 +109,7 @@ def resolve_model_path(settings: RunSettings) -> str:
     the warm-started built-in preset, built once and then taken from the cache."""
     if settings.model.path:
         return settings.model.path
-    from areal.data.tiny_model import PRESETS
+    from areal.data.presets import PRESETS
     from areal.data.warm_start import ensure_warm_model
 
     d = settings.data

@@ -17,8 +17,9 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal.data import warm_start
+from areal.data.evaluate import evaluate_accuracy
 from areal.data.tasks import ArithmeticTask
-from areal.data.warm_start import cache_root, ensure_warm_model, evaluate_accuracy
+from areal.data.warm_start import cache_root, ensure_warm_model
 
 
 def test_build_load_and_reuse(tmp_path):
@@ -180,3 +181,29 @@ def test_a_lock_released_in_time_is_taken_and_the_model_built(tmp_path, monkeypa
     events = [event for event, _ in logs.records]
     assert events[0] == "warm_model_lock_wait" and "warm_model_lock_acquired" in events
     assert lock.read_text() == ""  # the holder's record goes with the lock
+
+
+def test_a_cached_warm_start_is_found_without_importing_torch(tmp_path):
+    """The launcher finds the cached model through this module before it spawns any worker:
+    importing torch and transformers there cost seconds of every run's start-up."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from pathlib import Path
+from areal.data.warm_start import ensure_warm_model
+from areal.launch.local import Launcher  # the launcher's own imports, too
+from areal.launch.worker import resolve_model_path
+first = ensure_warm_model(sft_steps=0, cache_dir={str(tmp_path)!r})
+heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+second = ensure_warm_model(sft_steps=0, cache_dir={str(tmp_path)!r})
+assert first == second, (first, second)
+print(",".join(heavy) or "none")
+"""
+    # the first call builds (it may import torch); only the cached call must not
+    build = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-2000:]
+    cached = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert cached.returncode == 0, cached.stderr[-2000:]
+    assert cached.stdout.strip() == "none"
