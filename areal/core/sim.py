@@ -11,8 +11,11 @@ Events (each chosen at random with weights; faults come from `Faults`): admit (p
 of the admissible tasks), persist the controller state, a worker takes a delivery, a generation
 step at a token boundary (requests join, weights switch, tokens, finished samples published and
 their task acked once all G are), weights offered to a worker, an engine failure (nak all), the
-trainer files a delivery, the trainer steps (retire / train / announce / KV / checkpoint), a
-checkpoint write lands (acks), ack-wait expiry (a held message is delivered again: a duplicate),
+trainer files a delivery, the trainer picks a batch (retiring stale groups) and later finishes
+training it (announce / KV / checkpoint) while deliveries keep being filed in between, as the
+service files messages while its engine trains; a poison message naming an admitted task reaches
+the trainer (the service dead-letters it and calls `Intake.reject`), a checkpoint write lands
+(acks), ack-wait expiry (a held message is delivered again: a duplicate),
 a redelivery of a task still being generated to the same worker, any actor dying (and a later
 restart), and acks or naks lost on the way (the message comes back after ack-wait).
 
@@ -68,6 +71,7 @@ class Faults:
     engine_failure: float = 0.0
     duplicate: float = 0.0  # early ack-wait expiry, or a redelivery to the same worker
     lost_ack: float = 0.0
+    poison: float = 0.0  # a message that fails validation, naming an admitted task
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,8 @@ class Sim:
         self.n_events = 0
         self.prompts = Stream(self, cfg.task_dedup, None)
         self.samples = Stream(self, True, cfg.sample_dedup_window)
+        self.poisons = Stream(self, False, None)  # delivered at once, settled like samples
+        self.training: list | None = None  # the batch the trainer picked and is training
         self.kv_controller: ControllerState | None = None
         self.kv_trainer = TrainerState()
         self.announced: list[int] = []
@@ -204,8 +210,9 @@ class Sim:
                 out.append(f"task {tid} lost: no unacked prompt and not all G samples")
         if self.intake is not None:
             st, ends = self.intake.state, list(self.ends.values())
-            got = (st.trained, st.dropped_stale, st.filtered)
-            want = tuple(ends.count(k) for k in ("trained", "dropped_stale", "filtered"))
+            got = (st.trained, st.dropped_stale, st.filtered, st.rejected)
+            kinds = ("trained", "dropped_stale", "filtered", "rejected")
+            want = tuple(ends.count(k) for k in kinds)
             if got != want:
                 out.append(f"trainer counts {got} != its lineage's ends {want}")
         return out
@@ -311,6 +318,7 @@ class Sim:
             self._announce(version)
         intake.state.version = version
         self.intake, self.ends = intake, dict(self.durable_ends)
+        self.training = None
         self._publish_trainer()
 
     def _publish_trainer(self) -> None:
@@ -344,13 +352,26 @@ class Sim:
         elif filed is Filed.INVALID:
             self.found.append(f"invalid sample: {self.intake.last_error}")
 
+    def _poison(self, seq: int) -> None:
+        """A message naming admitted task `seq` fails validation at the trainer: dead-lettered,
+        and its task retired as rejected unless it already ended or is being trained."""
+        assert self.intake is not None
+        self.poisons.publish(f"poison-{self.n_events}", None)
+        lease = self.poisons.deliver(self.poisons.msgs[self.poisons.n_published - 1], "trainer")
+        filed, retired = self.intake.reject(task_id(seq), seq, lease)
+        if filed is Filed.ACK_NOW:
+            lease.ack()
+        if retired is not None:
+            self._end(retired.task_id, retired.reason)
+
     def _end(self, tid: str, how: str) -> None:
         if tid in self.ends:
             self.found.append(f"task {tid} ended twice: {self.ends[tid]}, then {how}")
         self.ends[tid] = how
 
     def _step(self) -> None:
-        intake, eta = self.intake, self.cfg.max_staleness
+        """Pick a batch (retiring stale groups); training it ends in a later `_trained`."""
+        intake = self.intake
         assert intake is not None
         pick = intake.take_batch()
         for r in pick.retired:
@@ -361,14 +382,20 @@ class Sim:
             if intake.retired_unwritten and self.cfg.durable_slots:
                 self._checkpoint()  # their slots go back once it is written
             return
+        self.training = pick.batch
+
+    def _trained(self) -> None:
+        intake, eta, batch = self.intake, self.cfg.max_staleness, self.training
+        assert intake is not None and batch is not None
+        self.training = None
         v = intake.state.version
-        for group in pick.batch:
+        for group in batch:
             self._end(group.task_id, "trained")
             for sc in group.samples.values():
                 lag = sample_staleness(v, int(token_versions(sc).min()))
                 if lag > eta:
                     self.found.append(f"trained {sc.sample.sample_id} of staleness {lag} > {eta}")
-        intake.commit_step(pick.batch, version=v + 1, wall_s=float(self.n_events))
+        intake.commit_step(batch, version=v + 1, wall_s=float(self.n_events))
         self._announce(v + 1)
         self._publish_trainer()
         every = intake.state.step % self.cfg.checkpoint_every == 0
@@ -401,7 +428,7 @@ class Sim:
             self.finished = True  # the trainer exits
 
     def _trainer_crash(self) -> None:
-        self.intake, self.writes = None, []  # its leases come back after ack-wait
+        self.intake, self.writes, self.training = None, [], None  # leases come back after ack-wait
 
     # ------------------------------------------------------------------ scheduling
     def enabled_events(self) -> list[Event]:
@@ -451,8 +478,15 @@ class Sim:
             if self.samples.available():
                 m = self.rng.choice(self.samples.available())
                 ev.append(("file", 3.0, lambda m=m: self._file(m)))
-            if self.intake.complete_groups():
+            if self.training is not None:
+                ev.append(("trained", 2.0, self._trained))
+            elif self.intake.complete_groups() or (
+                self.cfg.durable_slots and self.intake.retired_unwritten  # a rejection's slot
+            ):
                 ev.append(("step", 2.0, self._step))
+            if f.poison and self.admitted:
+                seq = self.rng.randrange(self.admitted)
+                ev.append(("poison", f.poison, lambda seq=seq: self._poison(seq)))
             if self.writes:
                 ev.append(("checkpoint_written", 2.0, self._write))
             ev.append(("trainer_crash", f.trainer_crash, self._trainer_crash))

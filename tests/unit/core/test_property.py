@@ -2,7 +2,8 @@
 
 Drives `areal.core.sim.Sim` (whose controller, rollout workers and trainer are `Admission`,
 `Scheduler` and `Intake`) through random schedules with crashes of every actor, duplicate
-deliveries, redeliveries of tasks still being generated, lost acks and engine failures, checking
+deliveries, redeliveries of tasks still being generated, lost acks, engine failures and poison
+messages naming admitted tasks (also while their group is being trained), checking
 `Sim.violations()` after EVERY event (admission bound, staleness of trained samples, nothing
 admitted twice, nothing lost, no task with two ends, counters = ground truth). Then the faults
 stop and the run must finish within a bounded number of events with every admitted task ended
@@ -18,7 +19,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from areal.core.admission import Admission
-from areal.core.intake import Intake, IntakePolicy
+from areal.core.intake import Filed, Intake, IntakePolicy, Retired
 from areal.core.scheduling import Joined, Scheduler
 from areal.core.sim import Faults, Sim, SimConfig, SimLease, task_id
 from schemas.state import TrainerState
@@ -53,10 +54,11 @@ def settle(sim: Sim) -> None:
     assert sim.intake is not None
     acc = sim.intake.accounting(sim.admitted)
     ends = list(sim.durable_ends.values())
-    assert (acc.trained, acc.dropped_stale, acc.filtered) == (
+    assert (acc.trained, acc.dropped_stale, acc.filtered, acc.rejected) == (
         ends.count("trained"),
         ends.count("dropped_stale"),
         ends.count("filtered"),
+        ends.count("rejected"),
     )
     assert acc.in_flight == 0
     assert acc.trained == TOTAL_STEPS * sim.cfg.batch_size
@@ -80,6 +82,7 @@ def settle(sim: Sim) -> None:
     engine_failure=st.sampled_from(WEIGHTS),
     duplicate=st.sampled_from(WEIGHTS),
     lost_ack=st.sampled_from(WEIGHTS),
+    poison=st.sampled_from(WEIGHTS),
 )
 def test_invariants_hold_after_every_event(
     max_staleness: int,
@@ -97,8 +100,11 @@ def test_invariants_hold_after_every_event(
     engine_failure: float,
     duplicate: float,
     lost_ack: float,
+    poison: float,
 ) -> None:
-    faults = Faults(*crash, engine_failure=engine_failure, duplicate=duplicate, lost_ack=lost_ack)
+    faults = Faults(
+        *crash, engine_failure=engine_failure, duplicate=duplicate, lost_ack=lost_ack, poison=poison
+    )
     cfg = SimConfig(
         max_staleness,
         batch_size,
@@ -118,7 +124,7 @@ def test_invariants_hold_after_every_event(
     settle(sim)
 
 
-FAULTY = Faults(0.05, 0.05, 0.05, engine_failure=0.02, duplicate=0.2, lost_ack=0.1)
+FAULTY = Faults(0.05, 0.05, 0.05, engine_failure=0.02, duplicate=0.2, lost_ack=0.1, poison=0.05)
 
 
 @pytest.mark.parametrize(("max_staleness", "batch_size"), [(0, 1), (0, 4), (2, 2), (4, 4)])
@@ -151,7 +157,8 @@ def test_new_events_happen() -> None:
     for seed in range(10):
         sim = Sim(SimConfig(1, 2, n_workers=3, seed=seed, faults=FAULTY))
         seen |= set(check_every_event(sim, 400))
-    for name in ("redeliver_w0", "early_expiry", "crash_w0", "trainer_crash", "controller_crash"):
+    names = ("redeliver_w0", "early_expiry", "crash_w0", "trainer_crash", "controller_crash")
+    for name in (*names, "poison", "trained"):
         assert name in seen, name
 
 
@@ -192,6 +199,30 @@ class NoIntakeCheck(Intake[SimLease]):
 
     def __init__(self, policy: IntakePolicy, state: TrainerState | None = None) -> None:
         super().__init__(replace(policy, max_staleness=10**6), state)
+
+
+class RetireInHand(Intake[SimLease]):
+    """The bug a CI run found (2026-12-03): a poison naming a group of the batch being trained
+    retired it, then `commit_step` ended it a second time (the trainer crashed on a KeyError).
+    This is the pre-fix `reject`, which never asked whether the group was in hand."""
+
+    def reject(self, task_id: str, task_seq: int, handle: SimLease) -> tuple[Filed, Retired | None]:
+        group = self.groups.get(task_id)
+        if group is None or len(group.samples) < self.policy.group_size:
+            return super().reject(task_id, task_seq, handle)
+        group.handles.append(handle)
+        return Filed.REJECTED, self._retire(group, "rejected", group.min_version())
+
+
+def test_checker_catches_retiring_a_group_being_trained() -> None:
+    faults = Faults(poison=1.0)
+    sims = [
+        Sim(SimConfig(1, 2, seed=s, faults=faults), make_intake=RetireInHand) for s in range(50)
+    ]
+    with pytest.raises((AssertionError, KeyError)):
+        for sim in sims:
+            check_every_event(sim, 400)
+            settle(sim)
 
 
 def test_checker_catches_acking_a_redelivery_in_progress() -> None:
