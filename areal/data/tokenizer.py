@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
@@ -95,6 +95,10 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         )
     if (path / TOKENIZER_FILE).is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    # AutoTokenizer imports torch (through the model configs): only here, so a worker that just
+    # tokenizes a tokenizer.json (the controller) starts without torch
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 

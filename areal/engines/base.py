@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 # The typed engine configs live in `config.py`; re-exported here next to the protocols they
 # configure (`from areal.engines.base import InferenceEngineConfig` works).
 from areal.engines.config import InferenceEngineConfig, TrainEngineConfig
+
+if TYPE_CHECKING:  # annotations only: the reward worker imports this module and needs no torch
+    import torch
 
 __all__ = [
     "GenOutput",

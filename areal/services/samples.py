@@ -4,10 +4,13 @@ that stands in for a task a stage refused."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from areal.bus.codec import pack
-from areal.engines.base import GenOutput
 from schemas import Sample, Task
+
+if TYPE_CHECKING:  # the reward worker imports this module and needs no torch
+    from areal.engines.base import GenOutput
 
 
 def sample_of(
