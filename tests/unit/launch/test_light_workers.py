@@ -2,8 +2,7 @@
 
 Every worker of a local run starts at once, and on a 2-core machine four processes importing
 torch (~1.5 s of CPU each) delayed the trainer and the rollout worker, the two that need it, by
-seconds. Measured on the quickstart: trainer ready 9.4 s after launch when the controller and the
-reward worker imported torch too, 6.7 s when they did not."""
+seconds (`bench/vs_trl.py` reports the start-up)."""
 
 from __future__ import annotations
 
