@@ -4,8 +4,11 @@ Invariants:
 - every message carries `schema_version`; a reader rejects a version it does not support with a
   clear error, and ignores unknown fields (so writers may add fields without a version bump);
 - token ids, log-probs and versions are `PackedArray`s (dtype + little-endian bytes);
-- ids are deterministic (task id from run + admission seq; sample id from task id + index), so
-  they double as JetStream `Nats-Msg-Id` for de-duplication and for idempotent handling.
+- ids are deterministic (task id from run + admission seq; sample id from task id + index; a
+  group's id from its task id), so they double as JetStream `Nats-Msg-Id` for de-duplication and
+  for idempotent handling;
+- `trajectories` and `rewards` carry one message per task (`SampleGroup`, `ScoredGroup`): all G
+  samples of it (in parts only when too big for one message), or a rejection marker alone.
 """
 
 from __future__ import annotations
@@ -134,6 +137,59 @@ class ScoredSample(Message):
         self.sample.check_lengths()
 
 
+def group_msg_id(samples: list[Sample]) -> str:
+    """`<task>/group` for a whole group, `<task>/<i>+<j>+...` for a part of one; a rejection
+    marker's is `<task>/rejected` (never the id of what it stands in for)."""
+    first = samples[0]
+    if first.rejected:
+        return f"{first.task_id}/rejected"
+    if len(samples) == first.group_size:
+        return f"{first.task_id}/group"
+    return f"{first.task_id}/" + "+".join(str(i) for i in sorted(s.sample_idx for s in samples))
+
+
+class SampleGroup(Message):
+    """What `trajectories` carries: the G samples of one task in one message, published by the
+    rollout once the last of them has finished, or a rejection marker alone. The trainer needs a
+    whole group before it can use any of it, and the bus pays per message (a store, a delivery,
+    an ack and a delete), so one message per task, not per sample. A group too big for one
+    message (`nats.max_payload`) goes out in parts of several samples each; the trainer merges
+    them (`areal.core.intake`). `areal.core.validate.check_group` holds a decoded group to its
+    shape: one task, each index once."""
+
+    kind: ClassVar[str] = "sample_group"
+    samples: list[Sample] = Field(min_length=1)
+
+    @property
+    def first(self) -> Sample:
+        return self.samples[0]
+
+    def msg_id(self) -> str:
+        return group_msg_id(self.samples)
+
+    def check_lengths(self) -> None:
+        for s in self.samples:
+            s.check_lengths()
+
+
+class ScoredGroup(Message):
+    """What `rewards` carries: a `SampleGroup`'s samples, each with its reward, in one message."""
+
+    kind: ClassVar[str] = "scored_group"
+    scored: list[ScoredSample] = Field(min_length=1)
+
+    @property
+    def first(self) -> Sample:
+        return self.scored[0].sample
+
+    def msg_id(self) -> str:
+        return group_msg_id([sc.sample for sc in self.scored])
+
+    def check_lengths(self) -> None:
+        for sc in self.scored:
+            sc.check_lengths()
+
+
 class WeightAnnouncement(Message):
     kind: ClassVar[str] = "weights"
     version: int = Field(ge=0)
@@ -216,5 +272,15 @@ class DeadLetter(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     m.kind: m
-    for m in (Task, Sample, ScoredSample, WeightAnnouncement, MetricRecord, Event, DeadLetter)
+    for m in (
+        Task,
+        Sample,
+        ScoredSample,
+        SampleGroup,
+        ScoredGroup,
+        WeightAnnouncement,
+        MetricRecord,
+        Event,
+        DeadLetter,
+    )
 }

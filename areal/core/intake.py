@@ -1,4 +1,4 @@
-"""Trainer intake: file scored samples into groups, judge groups, pick batches, keep accounts.
+"""Trainer intake: file scored groups, judge them, pick batches, keep accounts.
 
 A pure state machine, generic over the handle `H` the service uses to settle a message (a bus
 lease in production, a token in the simulator). The trainer service decodes a message, calls
@@ -9,11 +9,12 @@ Invariants:
 - never picks a group whose oldest token was generated at a version `< version - η`: such a
   group is retired as `dropped_stale` (counted, its slot returned), never silently;
 - batches are the B oldest (by admission seq) complete fresh groups;
-- a handle is settled only once a checkpoint covers its sample's effect: handles of trained or
+- a handle (one per group message: all G samples of a task, or a part of them when a group was
+  too big for one message) is settled only once a checkpoint covers its group's effect: handles of trained or
   retired groups, and of duplicates of them, are released by `checkpoint()` and must be acked
   only after that checkpoint is written; a duplicate of a task already covered by a written
   checkpoint is acked at once;
-- a duplicate delivery of a sample in hand is held with it (acking it early would lose the
+- a duplicate delivery of samples in hand is held with them (acking it early would lose the
   message if the trainer then died before its checkpoint);
 - every task filed ends exactly once: trained, dropped_stale, filtered or rejected (a message of
   it failed validation: `reject`); a task's samples must agree on the prompt, or it is rejected;
@@ -31,7 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, Literal, TypeVar
@@ -63,11 +64,12 @@ class IntakePolicy:
 
 
 class Filed(Enum):
-    """What `Intake.file` did with a sample, and so what the service does with its handle."""
+    """What `Intake.file` did with a group message, and so what the service does with its
+    handle."""
 
-    HELD = "held"  # filed into its group; settle after the checkpoint that covers it
+    HELD = "held"  # filed, its group not yet complete; settle after the checkpoint covering it
     COMPLETED = "completed"  # filed, and its group is now complete
-    DUPLICATE = "duplicate"  # a copy of a sample in hand or awaiting its checkpoint: held too
+    DUPLICATE = "duplicate"  # a copy of samples in hand or awaiting their checkpoint: held too
     ACK_NOW = "ack_now"  # its task is covered by a written checkpoint: settle now
     INVALID = "invalid"  # does not fit this run (`Intake.last_error`): dead-letter it
     REJECTED = "rejected"  # its task was retired as rejected: settle after the checkpoint
@@ -119,10 +121,16 @@ class Intake(Generic[H]):
         self._max_ended = -1
 
     # ------------------------------------------------------------------ messages
-    def file(self, scored: ScoredSample, handle: H) -> Filed:
-        s = scored.sample
+    def file(self, part: Sequence[ScoredSample], handle: H) -> Filed:
+        """File one group message: scored samples of one task (all G of them, unless the rollout
+        had to split a group too big for one message), settled as one `handle`. Its shape was
+        checked by `areal.core.validate.check_scored_group`."""
+        s = part[0].sample
         if s.group_size != self.policy.group_size:
-            self.last_error = f"sample {s.sample_id}: group_size {s.group_size} != run's G"
+            self.last_error = (
+                f"group {s.task_id[:80]}: group_size {s.group_size} != run's G "
+                f"{self.policy.group_size}"
+            )
             return Filed.INVALID
         if s.task_id in self.done_written:
             return Filed.ACK_NOW
@@ -133,13 +141,15 @@ class Intake(Generic[H]):
         if group is not None and group.samples:
             first = next(iter(group.samples.values())).sample
             if first.prompt_ids != s.prompt_ids or first.task_seq != s.task_seq:
-                self.last_error = f"sample {s.sample_id}: its prompt differs from its group's"
+                self.last_error = f"group {s.task_id[:80]}: its prompt differs from its group's"
                 return Filed.INVALID
         group = self.groups.setdefault(s.task_id, Group(s.task_id, s.task_seq))
         group.handles.append(handle)
-        if s.sample_idx in group.samples:
+        new = [sc for sc in part if sc.sample.sample_idx not in group.samples]
+        if not new:  # a copy of samples in hand: held with them
             return Filed.DUPLICATE
-        group.samples[s.sample_idx] = scored
+        for sc in new:
+            group.samples[sc.sample.sample_idx] = sc
         return Filed.COMPLETED if len(group.samples) == self.policy.group_size else Filed.HELD
 
     def reject(self, task_id: str, task_seq: int, handle: H) -> tuple[Filed, Retired | None]:

@@ -5,12 +5,13 @@ this module only models what surrounds them, the way the services use them: the 
 queues with msg-id de-duplication, leases settled by ack / nak, redelivery after ack-wait), the
 KV, weight announcements, checkpoints on disk, and crashes. Given a `SimConfig` (seed included)
 the event sequence is fully determined. The reward stage is skipped: a rollout worker publishes a
-`ScoredSample` whose reward is a deterministic function of its ids (`sim_reward`).
+group of `ScoredSample`s whose rewards are a deterministic function of their ids (`sim_reward`).
 
 Events (each chosen at random with weights; faults come from `Faults`): admit (publish a prefix
 of the admissible tasks), persist the controller state, a worker takes a delivery, a generation
-step at a token boundary (requests join, weights switch, tokens, finished samples published and
-their task acked once all G are), weights offered to a worker, an engine failure (nak all), the
+step at a token boundary (requests join, weights switch, tokens; once all G samples of a task
+have finished, its group goes out as one message, or in parts with `split_groups`, and the
+task is acked), weights offered to a worker, an engine failure (nak all), the
 trainer files a delivery, the trainer picks a batch (retiring stale groups) and later finishes
 training it (announce / KV / checkpoint) while deliveries keep being filed in between, as the
 service files messages while its engine trains; a poison message naming an admitted task reaches
@@ -33,7 +34,8 @@ of task ends (in memory since the last written checkpoint, and durable), token v
 - nothing admitted twice or skipped; announced versions strictly increase;
 - no token older than its task's admission version (η = 0 is synchronous);
 - no trained sample older than η (from its oldest token); no task trained twice or with two ends;
-- nothing lost: a task not durably ended has its prompt message or all G sample messages unacked;
+- nothing lost: a task not durably ended has its prompt message, or messages of all its G
+  samples (a group, or its parts), unacked;
 - the trainer's counters equal the lineage's ends; a checkpoint's done tasks are its lineage's.
 """
 
@@ -90,6 +92,7 @@ class SimConfig:
     sample_dedup_window: int | None = None  # events; None: longer than the run
     task_dedup: bool = True  # False models a controller publishing without msg-id
     durable_slots: bool = True  # retired groups' slots go back once a checkpoint covers them
+    split_groups: float = 0.0  # probability that a finished group is published in parts
     faults: Faults = Faults()
 
 
@@ -126,6 +129,7 @@ class _Worker:
     sched: Scheduler[SimLease, None] | None = None  # None while dead
     incarnation: int = 0
     running: list[_Gen] = field(default_factory=list)
+    finished: dict[str, dict[int, ScoredSample]] = field(default_factory=dict)  # until all G
 
     @property
     def holder(self) -> str:
@@ -200,9 +204,10 @@ class Sim:
         if len(self.task_msgs) != self.admitted or set(self.task_msgs) != set(range(self.admitted)):
             out.append("a task was admitted twice or skipped")
         prompt_live = {m.body.task_id for m in self.prompts.msgs.values()}
-        sample_live: dict[str, set[int]] = {}
+        sample_live: dict[str, set[int]] = {}  # indices in unacked group messages (or parts)
         for m in self.samples.msgs.values():
-            sample_live.setdefault(m.body.sample.task_id, set()).add(m.body.sample.sample_idx)
+            live_idx = sample_live.setdefault(m.body[0].sample.task_id, set())
+            live_idx.update(sc.sample.sample_idx for sc in m.body)
         for seq in range(self.admitted):
             tid = task_id(seq)
             live = tid in prompt_live or len(sample_live.get(tid, ())) == cfg.group_size
@@ -269,9 +274,29 @@ class Sim:
         done = [g for g in w.running if len(g.versions) >= g.length]
         w.running = [g for g in w.running if len(g.versions) < g.length]
         for g in done:
-            self.samples.publish(f"{g.task_id}/{g.index}", self._scored(g, w.name))
-            for lease in s.sample_published(g.task_id, g.index):
-                lease.ack()
+            group = w.finished.setdefault(g.task_id, {})
+            group[g.index] = self._scored(g, w.name)
+            if len(group) < self.cfg.group_size:
+                continue
+            del w.finished[g.task_id]
+            for part in self._parts([group[i] for i in sorted(group)]):
+                indices = [sc.sample.sample_idx for sc in part]
+                whole = len(part) == self.cfg.group_size
+                self.samples.publish(
+                    f"{g.task_id}/" + ("group" if whole else "+".join(map(str, indices))), part
+                )
+            for index in sorted(group):
+                for lease in s.sample_published(g.task_id, index):
+                    lease.ack()
+
+    def _parts(self, samples: list[ScoredSample]) -> list[list[ScoredSample]]:
+        """A group as the rollout sends it: whole, or (as with a group too big for one message)
+        in contiguous parts; a second attempt may split it differently."""
+        n = len(samples)
+        if n == 1 or self.rng.random() >= self.cfg.split_groups:
+            return [samples]
+        cuts = [0, *sorted(self.rng.sample(range(1, n), self.rng.randint(1, n - 1))), n]
+        return [samples[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
 
     def _scored(self, g: _Gen, worker: str) -> ScoredSample:
         n = len(g.versions)
@@ -295,12 +320,12 @@ class Sim:
 
     def _engine_failure(self, w: _Worker) -> None:
         assert w.sched is not None
-        w.running = []
+        w.running, w.finished = [], {}
         for lease in w.sched.fail_all():
             lease.nak()
 
     def _worker_crash(self, w: _Worker) -> None:
-        w.sched, w.running = None, []  # its leases come back after ack-wait
+        w.sched, w.running, w.finished = None, [], {}  # its leases come back after ack-wait
 
     def _worker_restart(self, w: _Worker) -> None:
         w.sched, w.incarnation = self.make_scheduler(self.sched_policy), w.incarnation + 1

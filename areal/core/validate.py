@@ -16,7 +16,10 @@ What a message of this run must be:
 - per-token versions are integers in `[0, latest]`, never decreasing along the sample (weights
   only move forward), where `latest` is the newest version the checker's caller knows was
   published: a version from the future is a lie;
-- a reward is finite and within the scorer's declared range.
+- a reward is finite and within the scorer's declared range;
+- a group message (`trajectories`, `rewards`) holds samples of one task (the same task, seq,
+  group size and prompt; each index once): all G, or a part when the group was too big for one
+  message; or one rejection marker alone.
 
 `latest` and the admitted count come from the run state, which a checker may see late: callers
 re-read the run state and check again before they reject for a future version or seq
@@ -27,20 +30,23 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from schemas import PackedArray, Sample, ScoredSample, Task
+from schemas import PackedArray, Sample, SampleGroup, ScoredGroup, ScoredSample, Task
 from schemas.arrays import ITEMSIZE
 
 __all__ = [
     "LOGP_FLOOR",
     "Bounds",
     "Verdict",
+    "check_group",
     "check_marker",
     "check_sample",
     "check_scored",
+    "check_scored_group",
     "check_task",
 ]
 
@@ -241,3 +247,54 @@ def check_scored(scored: ScoredSample, b: Bounds, *, latest_version: int) -> Ver
             f"[{lo:g}, {hi:g}]"
         )
     return check_sample(scored.sample, b, latest_version=latest_version)
+
+
+def _group_shape(samples: Sequence[Sample]) -> str | None:
+    first = samples[0]
+    what = f"group {first.task_id[:80]}"
+    if any(s.rejected for s in samples):
+        if len(samples) == 1:
+            return None
+        return f"{what}: a rejection marker travels alone, not with {len(samples) - 1} samples"
+    for s in samples[1:]:
+        if (s.task_id, s.task_seq, s.group_size) != (
+            first.task_id,
+            first.task_seq,
+            first.group_size,
+        ):
+            return (
+                f"{what}: sample {s.sample_id[:90]} (seq {s.task_seq}, group_size "
+                f"{s.group_size}) is not of this task (seq {first.task_seq}, group_size "
+                f"{first.group_size})"
+            )
+        if s.prompt_ids != first.prompt_ids:
+            return f"{what}: its samples' prompts differ"
+    indices = [s.sample_idx for s in samples]
+    if len(set(indices)) != len(indices):
+        return f"{what}: a sample index appears more than once in {sorted(indices)[:20]}"
+    return None
+
+
+def check_group(group: SampleGroup, b: Bounds, *, latest_version: int) -> Verdict | None:
+    """A group from `trajectories`, at the reward worker: its shape, then each sample."""
+    err = _group_shape(group.samples)
+    if err is not None:
+        return Verdict(err)
+    for sample in group.samples:
+        verdict = check_sample(sample, b, latest_version=latest_version)
+        if verdict is not None:
+            return verdict
+    return None
+
+
+def check_scored_group(group: ScoredGroup, b: Bounds, *, latest_version: int) -> Verdict | None:
+    """A scored group from `rewards`, before the trainer files it: its shape, then each scored
+    sample (reward and sample)."""
+    err = _group_shape([sc.sample for sc in group.scored])
+    if err is not None:
+        return Verdict(err)
+    for scored in group.scored:
+        verdict = check_scored(scored, b, latest_version=latest_version)
+        if verdict is not None:
+            return verdict
+    return None

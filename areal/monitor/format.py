@@ -1,6 +1,7 @@
 """Decode a bus message and render it for people: one readable line, or one JSON line.
 
-Pure functions (no I/O). Token arrays are summarised, never dumped: length, the first few ids,
+Pure functions (no I/O). A group message (`trajectories`, `rewards`) is shown as its samples,
+one record each (`expand`). Token arrays are summarised, never dumped: length, the first few ids,
 and for log-probs the mean; versions as their min..max. Text is decoded with a tokenizer when
 one is given (`output_text` already travels in samples).
 """
@@ -19,6 +20,8 @@ from schemas import (
     MetricRecord,
     PackedArray,
     Sample,
+    SampleGroup,
+    ScoredGroup,
     ScoredSample,
     Task,
     WeightAnnouncement,
@@ -27,8 +30,8 @@ from schemas import subjects as S
 
 MESSAGE_OF_STREAM: dict[str, type[Message]] = {
     S.PROMPTS: Task,
-    S.TRAJECTORIES: Sample,
-    S.REWARDS: ScoredSample,
+    S.TRAJECTORIES: SampleGroup,
+    S.REWARDS: ScoredGroup,
     S.WEIGHTS: WeightAnnouncement,
     S.METRICS: MetricRecord,
     S.EVENTS: Event,
@@ -81,6 +84,15 @@ def _versions(arr: PackedArray) -> dict[str, Any]:
         "min": int(v.min()) if len(v) else None,
         "max": int(v.max()) if len(v) else None,
     }
+
+
+def expand(msg: Message) -> list[Message]:
+    """A group message as its samples (what people read: one line each); any other as itself."""
+    if isinstance(msg, SampleGroup):
+        return list(msg.samples)
+    if isinstance(msg, ScoredGroup):
+        return list(msg.scored)
+    return [msg]
 
 
 def to_record(msg: Message, tokenizer: Detokenizer | None = None) -> dict[str, Any]:

@@ -15,7 +15,17 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import DeadLetter, Event, Message, MetricRecord, Sample, ScoredSample
+from areal.monitor.format import expand
+from schemas import (
+    DeadLetter,
+    Event,
+    Message,
+    MetricRecord,
+    Sample,
+    SampleGroup,
+    ScoredGroup,
+    ScoredSample,
+)
 
 LIVE_S = 10.0  # a worker heard from within this many seconds is live
 SEEN_S = 120.0  # a worker heard from within this many seconds is still listed
@@ -67,7 +77,10 @@ class RunState:
 
     # ------------------------------------------------------------------ folding
     def fold(self, msg: Message, received_at: float | None = None) -> None:
-        if isinstance(msg, MetricRecord):
+        if isinstance(msg, SampleGroup | ScoredGroup):
+            for part in expand(msg):
+                self.fold(part, received_at)
+        elif isinstance(msg, MetricRecord):
             self.fold_metric(msg)
         elif isinstance(msg, Event):
             self.fold_event(msg)

@@ -2,7 +2,9 @@
 
 Invariant: a tap never consumes or delays pipeline messages (see `areal.bus.tap`). It shows each
 message once: a publish retried after a lost ack reaches a core subscriber twice with the same
-`Nats-Msg-Id` (JetStream stores it once), so the tap de-duplicates by that id.
+`Nats-Msg-Id` (JetStream stores it once), so the tap de-duplicates by that id. A group message
+(`trajectories`, `rewards`: all G samples of a task) is shown as its samples, one line each, and
+`count` counts those lines.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from areal.bus.auth import NO_CREDENTIALS, Credentials
 from areal.bus.codec import DecodeError
 from areal.bus.tap import TapMessage
-from areal.monitor.format import Detokenizer, decode_for, json_line, one_line, to_record
+from areal.monitor.format import Detokenizer, decode_for, expand, json_line, one_line, to_record
 from schemas import Message
 
 SEEN_IDS_MAX = 200_000
@@ -61,26 +63,29 @@ class Tap:
     async def on_message(self, tm: TapMessage) -> None:
         if self.done.is_set() or self._is_duplicate(tm.msg_id):
             return
+        items: list[tuple[Message | None, dict[str, Any]]]
         try:
-            msg: Message | None = decode_for(tm.subject, tm.data)
-            record = to_record(msg, self.tokenizer)
+            items = [
+                (m, to_record(m, self.tokenizer)) for m in expand(decode_for(tm.subject, tm.data))
+            ]
         except DecodeError as e:
-            msg, record = (
-                None,
-                {
-                    "kind": "undecodable",
-                    "subject": tm.subject,
-                    "bytes": len(tm.data),
-                    "error": str(e),
-                },
-            )
-        self.n += 1
-        if self.emit is not None:
-            self.emit(self.render(tm, record))
-        if self.on_item is not None:
-            self.on_item(TapItem(tm, msg, record))
-        if self.count is not None and self.n >= self.count:
-            self.done.set()
+            undecodable = {
+                "kind": "undecodable",
+                "subject": tm.subject,
+                "bytes": len(tm.data),
+                "error": str(e),
+            }
+            items = [(None, undecodable)]
+        for msg, record in items:  # a group message: one item per sample
+            if self.done.is_set():
+                return
+            self.n += 1
+            if self.emit is not None:
+                self.emit(self.render(tm, record))
+            if self.on_item is not None:
+                self.on_item(TapItem(tm, msg, record))
+            if self.count is not None and self.n >= self.count:
+                self.done.set()
 
     def render(self, tm: TapMessage, record: dict[str, Any]) -> str:
         if self.as_json:

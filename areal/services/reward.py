@@ -1,12 +1,13 @@
-"""Reward: scores samples in a process pool, each within its own timeout; publishes them scored.
+"""Reward: scores groups in a process pool, each sample within its own timeout; publishes them
+scored, one message per group as they came.
 
-Samples that arrive together are scored in one pool call (up to `batch_size`; at most
+Samples that arrive together (a group's G, and other groups'), are scored in one pool call (up to `batch_size`; at most
 `pool_workers` calls in flight): per-call IPC, pickling and thread hand-offs cost far more than
 a string-matching scorer, so one call per sample made the reward worker one of the busiest
 processes of a CPU run.
 
 Invariants:
-- A sample is acknowledged only after its scored sample is published (same msg id, so a
+- A group is acknowledged only after its scored group is published (same msg id, so a
   redelivery after a crash is de-duplicated by the server).
 - `timeout_s` is per sample, wherever the sample sits in its batch: a scorer that raises or runs
   past `timeout_s` gives reward 0 with the error in `verifier["error"]`, and the other samples of
@@ -17,9 +18,9 @@ Invariants:
 - A scorer that hangs beyond the alarm's reach, or kills its process, costs a pool reset
   (`pool_resets` in the heartbeat) and a one-by-one re-score of its batch
   (`areal/services/reward_pool.py`); the sample is never lost.
-- A sample is checked against the run before it is scored (`areal.core.validate`): one that does
-  not fit is dead-lettered with the reason, and a rejection marker for its task goes on to the
-  trainer (which retires the task), so one bad sample costs only its own task. A rollout's
+- A group is checked against the run before it is scored (`areal.core.validate.check_group`):
+  one that does not fit is dead-lettered with the reason, and a rejection marker for its task
+  goes on to the trainer (which retires the task), so one bad message costs only its own task. A rollout's
   marker is passed through unscored. A score that is not finite or outside the scorer's declared
   range counts as a scorer error (reward 0, `verifier["error"]`).
 """
@@ -35,16 +36,20 @@ import structlog
 from areal.algo.overlong import overlong_penalty
 from areal.bus.client import Bus, Lease
 from areal.bus.codec import unpack
-from areal.core.validate import Bounds, Verdict, check_marker, check_sample
+from areal.core.validate import Bounds, Verdict, check_group, check_marker
 from areal.rewards.registry import get_reward_fn
 from areal.rewards.scoring import Scored
 from areal.services.common import BusyMeter, heartbeat_loop
 from areal.services.reward_pool import ScoringPool
-from areal.services.samples import rejection_marker
-from schemas import Sample, ScoredSample
+from areal.services.samples import publish_group, rejection_marker
+from schemas import Sample, SampleGroup, ScoredGroup, ScoredSample
 from schemas import subjects as S
 
 log = structlog.get_logger()
+
+
+def _scored_group(scored: list[ScoredSample]) -> ScoredGroup:
+    return ScoredGroup(scored=scored)
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ class RewardService:
         self.bounds = bounds or Bounds(run_id=bus.names.run_id)
         self.score_range = score_range
         self._latest: int | None = None  # newest published policy version, as last read
-        self.n_rejected = 0  # samples dead-lettered for not fitting the run
+        self.n_rejected = 0  # groups dead-lettered for not fitting the run
         self.pool = ScoringPool(fn_name, workers=pool_workers, timeout_s=timeout_s)
         self.n_scored = 0  # scored samples published and acked
         self.n_errors = 0  # samples whose scorer raised or timed out (reward 0)
@@ -142,13 +147,13 @@ class RewardService:
             if not fut.done():
                 fut.set_result(res)
 
-    async def _check(self, sample: Sample) -> Verdict | None:
+    async def _check(self, group: SampleGroup) -> Verdict | None:
         if self._latest is None:
             self._latest = await self._latest_version()
-        verdict = check_sample(sample, self.bounds, latest_version=self._latest)
+        verdict = check_group(group, self.bounds, latest_version=self._latest)
         if verdict is not None and verdict.stale_view:  # a newer version may be out: look again
             self._latest = await self._latest_version()
-            verdict = check_sample(sample, self.bounds, latest_version=self._latest)
+            verdict = check_group(group, self.bounds, latest_version=self._latest)
         return verdict
 
     async def _latest_version(self) -> int:
@@ -160,14 +165,13 @@ class RewardService:
         if verdict is not None:
             await lease.dead_letter(verdict.reason)
             return
-        scored = ScoredSample(
-            sample=sample, reward=0.0, verifier={}, reward_worker_id=self.bus.worker_id
-        )
-        await self.bus.publish(S.REWARDS, scored)
+        scored = ScoredSample(sample=sample, reward=0.0, reward_worker_id=self.bus.worker_id)
+        await self.bus.publish(S.REWARDS, ScoredGroup(scored=[scored]))
         await lease.ack()
 
     async def _refuse(self, sample: Sample, lease: Lease, reason: str) -> None:
-        """Dead-letter `sample`; if it names a task of this run, tell the trainer (marker)."""
+        """Dead-letter a group (`sample`: its first); if it names a task of this run, tell the
+        trainer (marker)."""
         self.n_rejected += 1
         g = self.bounds.group_size or sample.group_size
         if sample.task_id == self.bounds.task_id(sample.task_seq):
@@ -175,32 +179,36 @@ class RewardService:
                 sample.task_id, sample.task_seq, g, reason, worker_id=self.bus.worker_id
             )
             scored = ScoredSample(sample=marker, reward=0.0, reward_worker_id=self.bus.worker_id)
-            await self.bus.publish(S.REWARDS, scored)
+            await self.bus.publish(S.REWARDS, ScoredGroup(scored=[scored]))
         await lease.dead_letter(reason)
 
-    async def handle(self, sample: Sample, lease: Lease) -> None:
-        if sample.rejected:
-            await self._forward_marker(sample, lease)
+    async def handle(self, group: SampleGroup, lease: Lease) -> None:
+        first = group.first
+        if first.rejected and len(group.samples) == 1:
+            await self._forward_marker(first, lease)
             return
-        verdict = await self._check(sample)
+        verdict = await self._check(group)
         if verdict is not None:
-            await self._refuse(sample, lease, verdict.reason)
+            await self._refuse(first, lease, verdict.reason)
             return
         self.meter.start()
         try:
-            reward, detail = await self.score(sample)
+            results = await asyncio.gather(*(self.score(s) for s in group.samples))
         finally:
             self.meter.stop()
+        scored = [self._scored(s, r, d) for s, (r, d) in zip(group.samples, results, strict=True)]
+        await publish_group(self.bus, S.REWARDS, scored, _scored_group)
+        await lease.ack()
+        self.n_scored += len(scored)
+
+    def _scored(self, sample: Sample, reward: float, detail: dict) -> ScoredSample:
         if self.overlong is not None:
             term = self.overlong(sample)
             detail |= {"score": reward, "overlong_penalty": term}
             reward += term
-        scored = ScoredSample(
+        return ScoredSample(
             sample=sample, reward=reward, verifier=detail, reward_worker_id=self.bus.worker_id
         )
-        await self.bus.publish(S.REWARDS, scored)
-        await lease.ack()
-        self.n_scored += 1
 
     async def run(self, stop: asyncio.Event) -> None:
         log.info("reward_started", fn=self.fn_name, timeout_s=self.timeout_s)
@@ -208,9 +216,10 @@ class RewardService:
         try:
             await self.bus.consume(
                 S.TRAJECTORIES,
-                Sample,
+                SampleGroup,
                 self.handle,
-                max_inflight=max(64, 2 * self.batch_size) * self.pool_workers,
+                # groups: up to a few pool calls' worth of samples waiting per scoring process
+                max_inflight=max(16, self.batch_size // 2) * self.pool_workers,
                 stop=stop,
             )
         finally:

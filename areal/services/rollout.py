@@ -1,4 +1,5 @@
-"""Rollout: pulls tasks, generates G samples each, publishes every finished sample at once.
+"""Rollout: pulls tasks, generates G samples each, publishes each task's group once its last
+sample finishes (one `SampleGroup` message per task).
 
 The decisions are `areal.core.scheduling.Scheduler` (which requests join the running batch,
 when to switch weights, what a redelivery means); this shell fetches weights, runs the engine in
@@ -19,9 +20,12 @@ Invariants (the scheduling ones are the core's):
   not fit is dead-lettered with the reason on its first delivery and a rejection marker goes on
   for it (the trainer retires the task), so a bad task never reaches the engine, never blocks
   the scheduler and never fails the tasks generating beside it;
-- a task's message is acked only after all its G samples are published; a redelivery of a task
-  in progress here is adopted (held and acked with it), and a task whose sample cannot be
-  published, or whose generation fails, is handed back (nak) for another attempt;
+- a finished sample is kept here (decoded, timed) until its task's G samples are all finished,
+  then the group goes out as one message (the trainer needs all G before it can use any, and
+  the bus pays per message; a group over `max_payload` goes in parts: `publish_group`); a task's message is acked only after its group is published; a
+  redelivery of a task in progress here is adopted (held and acked with it), and a task whose
+  group cannot be published, or whose generation fails, is handed back (nak) for another
+  attempt;
 - with an `Evaluator`, a due evaluation round lets the running batch finish (no new requests
   join it), then runs between batches on the weights held (`areal/services/evaluation.py`).
 """
@@ -47,14 +51,18 @@ from areal.engines.weights_check import FrozenStateDict
 from areal.engines.weights_stream import MalformedWeights, SafetensorsSink
 from areal.services.common import BusyMeter, heartbeat_loop
 from areal.services.evaluation import Evaluator
-from areal.services.samples import rejection_marker, sample_of
-from schemas import Task, WeightAnnouncement
+from areal.services.samples import publish_group, rejection_marker, sample_of
+from schemas import Sample, SampleGroup, Task, WeightAnnouncement
 from schemas import subjects as S
 from schemas.state import EvalClaim, eval_claim_key
 
 log = structlog.get_logger()
 
 StateDict = dict[str, torch.Tensor]
+
+
+def _sample_group(samples: list[Sample]) -> SampleGroup:
+    return SampleGroup(samples=samples)
 
 
 class RolloutService:
@@ -85,6 +93,7 @@ class RolloutService:
         self.sched: Scheduler[Lease, StateDict] = Scheduler(policy, engine.version)
         self._lock = threading.Lock()
         self._tasks: dict[str, tuple[Task, float]] = {}  # task id -> (task, received at)
+        self._finished: dict[str, dict[int, Sample]] = {}  # task id -> its finished samples
         self._weights_changed = asyncio.Event()
         self._fetching: set[int] = set()  # versions being downloaded (guarded by _lock)
         self._queue_changed = asyncio.Event()
@@ -176,7 +185,7 @@ class RolloutService:
             marker = rejection_marker(
                 task.task_id, task.seq, g, reason, worker_id=self.bus.worker_id
             )
-            await self.bus.publish(S.TRAJECTORIES, marker)
+            await self.bus.publish(S.TRAJECTORIES, SampleGroup(samples=[marker]))
         await lease.dead_letter(reason)
 
     async def handle(self, task: Task, lease: Lease) -> None:
@@ -212,38 +221,52 @@ class RolloutService:
         return WeightUpdate(*update) if update is not None else None
 
     def _on_finished(self, loop: asyncio.AbstractEventLoop, out: GenOutput) -> None:
-        """Generating thread -> event loop: publish the sample at once."""
-        loop.call_soon_threadsafe(self._spawn_publish, out)
+        """Generating thread -> event loop: file the sample; a complete group goes out."""
+        loop.call_soon_threadsafe(self._file_sample, out)
 
-    def _spawn_publish(self, out: GenOutput) -> None:
-        t = asyncio.ensure_future(self._publish_sample(out))
-        self._publishes.add(t)
-        t.add_done_callback(self._publishes.discard)
-
-    async def _publish_sample(self, out: GenOutput) -> None:
-        task_id, idx = out.key.rsplit("/", 1)
+    def _file_sample(self, out: GenOutput) -> None:
+        task_id, _ = out.key.rsplit("/", 1)
         if task_id not in self._tasks:  # its task failed and was handed back
             return
         task, received_at = self._tasks[task_id]
         text = self.decode_text(out.output_ids)
         sample = sample_of(task, out, text, worker_id=self.bus.worker_id, received_at=received_at)
+        finished = self._finished.setdefault(task_id, {})
+        finished[sample.sample_idx] = sample
+        if len(finished) < task.group_size:
+            return
+        del self._finished[task_id]
+        t = asyncio.ensure_future(self._publish_group(task_id, finished))
+        self._publishes.add(t)
+        t.add_done_callback(self._publishes.discard)
+
+    async def _publish_group(self, task_id: str, finished: dict[int, Sample]) -> None:
+        samples = [finished[i] for i in sorted(finished)]
         try:
-            await self.bus.publish(S.TRAJECTORIES, sample)
-        except Exception as e:  # hand the task back: another attempt publishes the same ids
-            log.error("sample_publish_failed", task_id=task_id, error=str(e))
+            await publish_group(self.bus, S.TRAJECTORIES, samples, _sample_group)
+        except Exception as e:  # hand the task back: another attempt publishes the same id
+            log.error("group_publish_failed", task_id=task_id, error=str(e))
             await self._settle(self.sched.task_failed, task_id, ack=False)
             return
-        for k, n in (("samples", 1), ("tokens", len(out.output_ids))):
-            self.stats[k] += n
-        self.stats["interrupts"] += out.n_interrupts
-        self.stats["reprefill_tokens"] += out.n_reprefill_tokens
-        await self._settle(lambda t: self.sched.sample_published(t, int(idx)), task_id, ack=True)
+        self.stats["samples"] += len(samples)
+        for sample in samples:
+            self.stats["tokens"] += len(sample.output_ids)
+            self.stats["interrupts"] += sample.n_interrupts
+            self.stats["reprefill_tokens"] += sample.n_reprefill_tokens
+        await self._settle(self._group_published(samples), task_id, ack=True)
+
+    def _group_published(self, samples: list[Sample]) -> Callable[[str], list[Lease]]:
+        def decide(task_id: str) -> list[Lease]:
+            return [h for s in samples for h in self.sched.sample_published(task_id, s.sample_idx)]
+
+        return decide
 
     async def _settle(self, decide: Callable[[str], list[Lease]], task_id: str, ack: bool) -> None:
         with self._lock:
             leases = decide(task_id)
             if not self.sched.is_active(task_id):
                 self._tasks.pop(task_id, None)
+                self._finished.pop(task_id, None)
         for lease in leases:
             await (lease.ack() if ack else lease.nak())
 
@@ -314,7 +337,7 @@ class RolloutService:
             except Exception:  # engine failure: hand every task back (nak), keep running
                 log.exception("generate_failed")
                 with self._lock:
-                    leases, self._tasks = self.sched.fail_all(), {}
+                    leases, self._tasks, self._finished = self.sched.fail_all(), {}, {}
                 for lease in leases:
                     await lease.nak()
             finally:

@@ -1,16 +1,21 @@
-"""A finished generation as the `Sample` message the rollout publishes, and the rejection marker
-that stands in for a task a stage refused."""
+"""A finished generation as the `Sample` the rollout publishes (in its task's group message), the
+rejection marker that stands in for a task a stage refused, and the publishing of a group in
+parts when it is too big for one message."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from areal.bus.codec import pack
-from schemas import Sample, Task
+from areal.bus.errors import MessageTooLarge
+from schemas import Message, Sample, Task
 
 if TYPE_CHECKING:  # the reward worker imports this module and needs no torch
     from areal.engines.base import GenOutput
+
+T = TypeVar("T")
 
 
 def sample_of(
@@ -60,3 +65,21 @@ def rejection_marker(
         worker_id=worker_id,
         rejected=reason[:1000] or "rejected",
     )
+
+
+async def publish_group(
+    bus: Any, stream: str, items: Sequence[T], make: Callable[[list[T]], Message]
+) -> int:
+    """Publish `make(items)` (a group message) on `stream`; one over the server's max_payload is
+    split in halves, each published under its own id, down to single samples (a single sample
+    too big raises `MessageTooLarge`, with the fix). Returns the number of messages published."""
+    items = list(items)
+    try:
+        await bus.publish(stream, make(items))
+        return 1
+    except MessageTooLarge:
+        if len(items) == 1:
+            raise
+    mid = len(items) // 2
+    first = await publish_group(bus, stream, items[:mid], make)
+    return first + await publish_group(bus, stream, items[mid:], make)

@@ -1,5 +1,5 @@
-"""Trainer: files scored samples, trains decoupled-PPO steps on fresh batches, publishes new
-weights, and checkpoints so a restart resumes with nothing lost.
+"""Trainer: files scored groups (one message per task), trains decoupled-PPO steps on fresh
+batches, publishes new weights, and checkpoints so a restart resumes with nothing lost.
 
 The decisions are `areal.core.intake.Intake` (grouping, de-duplication, freshness, batches,
 accounting); this shell decodes, trains, publishes and acks.
@@ -10,8 +10,8 @@ Invariants:
 - a retired (stale or filtered) group is announced as a `task_dropped_stale` / `task_filtered`
   event at once; its slot goes back to admission (KV) once a checkpoint covers it, and the
   trainer checkpoints before it waits for more data, so a slot is never held back long;
-- a scored sample is acked only once a checkpoint covers its effect (`Checkpointer`);
-- nothing reaches the optimizer unchecked (`areal.core.validate`): a scored sample that does not
+- a scored group is acked only once a checkpoint covers its effect (`Checkpointer`);
+- nothing reaches the optimizer unchecked (`areal.core.validate`): a scored group that does not
   fit the run is dead-lettered with the reason on its first delivery, and if it belongs to a
   task the controller admitted and that is still open, the task is retired as `rejected` (its
   slot goes back to admission, so the run still finishes with exact accounting). One that names
@@ -39,14 +39,14 @@ import structlog
 
 from areal.bus.client import Bus, Lease
 from areal.core.intake import Filed, Group, Intake, IntakePolicy, Retired
-from areal.core.validate import Bounds, check_scored
+from areal.core.validate import Bounds, check_scored_group
 from areal.engines.base import TrainEngine
 from areal.engines.weights_stream import export_blob, wire_dtype_of
 from areal.services.batches import to_train_seqs
 from areal.services.checkpoints import Checkpointer
 from areal.services.common import BusyMeter, heartbeat_loop
 from areal.services.run_files import EvalLog, MetricsLog, make_summary, write_summary
-from schemas import MetricRecord, ScoredSample
+from schemas import MetricRecord, Sample, ScoredGroup
 from schemas import subjects as S
 from schemas.state import CONTROLLER_KEY, TRAINER_KEY, ControllerState, RunSummary, StepRecord
 
@@ -92,23 +92,23 @@ class TrainerService:
         # tasks this much newer than an open one have ended: the open one is lost or stuck
         self.overdue_horizon = 4 * (opts.intake.max_staleness + 2) * opts.intake.batch_size
 
-    async def handle(self, scored: ScoredSample, lease: Lease) -> None:
-        s = scored.sample
-        verdict = check_scored(scored, self.bounds, latest_version=self.intake.state.version)
+    async def handle(self, group: ScoredGroup, lease: Lease) -> None:
+        s = group.first
+        verdict = check_scored_group(group, self.bounds, latest_version=self.intake.state.version)
         if verdict is not None:
-            await self._refuse(scored, lease, verdict.reason)
+            await self._refuse(s, lease, verdict.reason)
             return
         if not await self._is_admitted(s.task_seq):
-            await self._not_admitted(scored, lease)
+            await self._not_admitted(s, lease)
             return
-        if s.rejected:
-            await self._refuse(scored, lease, f"rejected upstream: {s.rejected}")
+        if s.rejected:  # a lone marker (a marker among samples failed the check above)
+            await self._refuse(s, lease, f"rejected upstream: {s.rejected}", marker=True)
             return
-        filed = self.intake.file(scored, lease)
+        filed = self.intake.file(group.scored, lease)
         if filed is Filed.ACK_NOW:
             await lease.ack()
         elif filed is Filed.INVALID:
-            await self._refuse(scored, lease, self.intake.last_error)
+            await self._refuse(s, lease, self.intake.last_error)
         elif filed is Filed.COMPLETED:
             self._data.set()
 
@@ -121,41 +121,40 @@ class TrainerService:
                 self._admitted_seen = max(self._admitted_seen, bound)
         return seq < self._admitted_seen
 
-    async def _not_admitted(self, scored: ScoredSample, lease: Lease) -> None:
-        """A sample of a task the controller never meant to admit (its intent is recorded before
-        the task is published, so a legitimate sample never lands here unless the run state was
+    async def _not_admitted(self, s: Sample, lease: Lease) -> None:
+        """A group of a task the controller never meant to admit (its intent is recorded before
+        the task is published, so a legitimate group never lands here unless the run state was
         rolled back): a forgery or a message of another incarnation of the run id. It is handed
         back a few times all the same, in case the record is slow to read, then dead-lettered.
 
         The waits double (1, 2, 4, 8 s with the default 5 deliveries, capped at
         `nats.publish_timeout_s`).
         """
-        s = scored.sample
         if lease.num_delivered >= self.bus.settings.max_deliver:
             await lease.dead_letter(
-                f"sample {s.sample_id[:90]}: task seq {s.task_seq} was never admitted "
+                f"group {s.task_id[:90]}: task seq {s.task_seq} was never admitted "
                 f"(the controller admitted {self._admitted_seen})"
             )
         else:
             delay_s = min(2.0 ** (lease.num_delivered - 1), self.bus.settings.publish_timeout_s)
             await lease.nak(delay_s=delay_s)
 
-    async def _refuse(self, scored: ScoredSample, lease: Lease, reason: str) -> None:
-        """Dead-letter a scored sample that does not fit the run; retire its task if the task is
+    async def _refuse(self, s: Sample, lease: Lease, reason: str, *, marker: bool = False) -> None:
+        """Dead-letter a scored group (`s`: its first sample) that does not fit the run, or take
+        a rejection `marker` (its stage dead-lettered the original); retire the task if it is
         admitted and open (else nothing of the run's accounting changes)."""
-        s = scored.sample
         own = s.task_id == self.bounds.task_id(s.task_seq) and await self._is_admitted(s.task_seq)
         if not own:
             await lease.dead_letter(reason)
             return
         filed, retired = self.intake.reject(s.task_id, s.task_seq, lease)
         if filed is Filed.ACK_NOW:  # the task ended long ago: nothing to account
-            if s.rejected:
+            if marker:
                 await lease.ack()
             else:
                 await lease.dead_letter(reason)
             return
-        if not s.rejected:  # a marker's own stage dead-lettered the original already
+        if not marker:  # a marker's own stage dead-lettered the original already
             await self.bus.dead_letter(lease.stage, lease.msg, reason)  # the lease is held
         if retired is not None:
             log.warning("task_rejected", task_id=s.task_id, reason=reason[:300])
@@ -342,7 +341,7 @@ class TrainerService:
         evals = await self.bus.subscribe_metrics("rollout", "eval", self._on_eval, replay=True)
         consumer = asyncio.create_task(
             self.bus.consume(
-                S.REWARDS, ScoredSample, self.handle, max_inflight=1_000_000, stop=stop, inline=True
+                S.REWARDS, ScoredGroup, self.handle, max_inflight=1_000_000, stop=stop, inline=True
             )
         )
         hb = asyncio.create_task(heartbeat_loop(self.bus, self.heartbeat, stop))

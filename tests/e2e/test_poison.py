@@ -22,7 +22,7 @@ from nats.js.api import DeliverPolicy
 
 from areal.bus.codec import decode, encode, pack
 from areal.bus.embedded import EmbeddedNats
-from schemas import DeadLetter, PackedArray, ScoredSample
+from schemas import DeadLetter, PackedArray, SampleGroup, ScoredGroup, ScoredSample
 from schemas import subjects as S
 from schemas.state import CONTROLLER_KEY, TRAINER_KEY
 from schemas.subjects import RunNames
@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 RUN = "poison"
 G, B, ETA, MAX_NEW = 8, 16, 1, 6  # examples/arithmetic.yaml
 HUGE_ID = 10**6  # beyond any vocabulary here
-# long enough for the redeliveries of a never-admitted sample (~1 s apart) to end before the run
+# long enough for the redeliveries of a never-admitted group (~1 s apart) to end before the run
 STEPS = 30
 
 
@@ -49,6 +49,29 @@ def _sample(seq: int, **fields):
             "versions": pack([0] * 5, "int32"),
             **fields,
         }
+    )
+
+
+IDENTITY = ("task_id", "task_seq", "group_size")
+
+
+def _group(seq: int, **fields) -> SampleGroup:
+    """The group message of task `seq`: sample 0 carries `fields`, the others are good (the
+    fields naming the task go to every sample, so the group stays one task's)."""
+    same = {k: v for k, v in fields.items() if k in IDENTITY}
+    n = same.get("group_size", G)
+    return SampleGroup(
+        samples=[_sample(seq, sample_idx=i, **(fields if i == 0 else same)) for i in range(n)]
+    )
+
+
+def _scored_group(seq: int, reward: float = 1.0, **fields) -> ScoredGroup:
+    """`_group` scored: sample 0 gets `reward`, the others 1.0."""
+    samples = _group(seq, **fields).samples
+    return ScoredGroup(
+        scored=[
+            ScoredSample(sample=s, reward=reward if i == 0 else 1.0) for i, s in enumerate(samples)
+        ]
     )
 
 
@@ -74,15 +97,19 @@ def _poisons(admitted: int) -> list[tuple[str, bytes, str]]:
     out: list[tuple[str, bytes, str]] = []
     for fields, why in scored:
         reward = fields.pop("reward", 1.0)
-        msg = ScoredSample(sample=_sample(open_seq, **fields), reward=reward)
-        out.append((S.REWARDS, encode(msg), why))
-    # a valid sample of a task that was never admitted: handed back, then dead-lettered
-    out.append(
-        (S.REWARDS, encode(ScoredSample(sample=_sample(never), reward=1.0)), "never admitted")
-    )
+        out.append((S.REWARDS, encode(_scored_group(open_seq, reward, **fields)), why))
+    # groups that are not one whole task
+    whole = _scored_group(open_seq).scored
+    for scored, why in [
+        ([*whole[:-1], whole[0]], "more than once"),
+        ([*whole[:-1], _scored_group(open_seq - 1).scored[-1]], "is not of this task"),
+    ]:
+        out.append((S.REWARDS, encode(ScoredGroup(scored=scored)), why))
+    # a valid group of a task that was never admitted: handed back, then dead-lettered
+    out.append((S.REWARDS, encode(_scored_group(never)), "never admitted"))
     # lying lengths (decode fails) and a payload just under max_payload
-    lying = ScoredSample(sample=_sample(open_seq), reward=1.0).model_dump(by_alias=True)
-    lying["sample"]["behav_logp"] = {"dtype": "float32", "data": b"\0" * 8}
+    lying = _scored_group(open_seq).model_dump(by_alias=True)
+    lying["scored"][0]["sample"]["behav_logp"] = {"dtype": "float32", "data": b"\0" * 8}
     import msgpack
 
     out.append((S.REWARDS, msgpack.packb(lying, use_bin_type=True), "tokens but behav_logp"))
@@ -101,7 +128,7 @@ def _poisons(admitted: int) -> list[tuple[str, bytes, str]]:
         ),
         ({"task_id": "intruder-t2", "task_seq": 2}, "not this run's id"),
     ]:
-        out.append((S.TRAJECTORIES, encode(_sample(open_seq, **fields)), why))
+        out.append((S.TRAJECTORIES, encode(_group(open_seq, **fields)), why))
     # tasks at the rollout
     for fields, why in [
         ({"prompt_ids": pack([3, HUGE_ID], "int32")}, "outside the vocabulary"),
@@ -171,7 +198,7 @@ async def _dead_letters(url: str) -> list[DeadLetter]:
     return out
 
 
-@pytest.mark.slow  # a 30-step quickstart run with 26 poisons: ~1-2 minutes on 2 cores
+@pytest.mark.slow  # a 30-step quickstart run with 28 poisons: ~1-2 minutes on 2 cores
 def test_poison_is_dead_lettered_and_the_run_finishes_with_exact_accounting(tmp_path):
     server = EmbeddedNats(store_dir=tmp_path / "nats").start()
     out = tmp_path / "run"
@@ -181,7 +208,7 @@ def test_poison_is_dead_lettered_and_the_run_finishes_with_exact_accounting(tmp_
         f"nats.url={server.url}",
         f"run_id={RUN}",
         "seed=3",
-        "nats.max_deliver=3",  # a never-admitted sample is handed back twice, then dead-lettered
+        "nats.max_deliver=3",  # a never-admitted group is handed back twice, then dead-lettered
     )
     try:
         wait_steps(proc, out, 3)

@@ -33,7 +33,7 @@ import yaml
 
 from areal.bus.codec import decode, unpack
 from areal.bus.tap import TapClient, TapMessage
-from schemas import ScoredSample
+from schemas import ScoredGroup, ScoredSample
 
 # e2e + slow: each test runs five processes (nats aside) that load a real model; measured
 # times are in each test's comment. The timeout is a hang guard well above them.
@@ -81,7 +81,7 @@ class SampleTap(threading.Thread):
         client = await TapClient.connect(self.url, self.run_id, name="test-real-model")
 
         async def on_message(tm: TapMessage) -> None:
-            self.samples.append(decode(tm.data, ScoredSample))
+            self.samples.extend(decode(tm.data, ScoredGroup).scored)
 
         await client.follow("rewards", on_message)
         self.ready.set()

@@ -27,7 +27,7 @@ import pytest
 from areal.bus.auth import Credentials, load_credentials
 from areal.bus.codec import decode
 from areal.bus.tap import TapClient, TapMessage
-from schemas import ScoredSample
+from schemas import ScoredGroup
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +54,8 @@ class ScoredBy(threading.Thread):
         )
 
         async def on_message(tm: TapMessage) -> None:
-            self.counts[decode(tm.data, ScoredSample).sample.worker_id] += 1
+            for scored in decode(tm.data, ScoredGroup).scored:
+                self.counts[scored.sample.worker_id] += 1
 
         await client.follow("rewards", on_message)
         self.ready.set()

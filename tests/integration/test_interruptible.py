@@ -26,7 +26,7 @@ from areal.engines.config import InferenceEngineConfig
 from areal.engines.torch_infer import TorchInferenceEngine, weights_from_safetensors
 from areal.engines.torch_train import export_state_dict
 from areal.services.rollout import RolloutService
-from schemas import Sample, Task
+from schemas import Sample, SampleGroup, Task
 from schemas import subjects as S
 
 pytestmark = pytest.mark.integration
@@ -76,7 +76,7 @@ async def run_one_sample(nats_url, run_id, model_dir, interruptible: bool):
     samples: list[Sample] = []
 
     async def on_sample(msg):
-        samples.append(decode(msg.data, Sample))
+        samples.extend(decode(msg.data, SampleGroup).samples)
 
     raw = await connect(nats_url, "test-raw")  # the bus hands out no nats object
     await raw.subscribe(bus.names.subject(S.TRAJECTORIES), cb=on_sample)

@@ -24,31 +24,57 @@ def scored(
     return ScoredSample(sample=sample, reward=reward)
 
 
+def group(
+    seq: int, versions: list[int], rewards: tuple[float, ...] = (1, 0), g: int | None = None
+) -> list[ScoredSample]:
+    """The scored group message of task `t{seq}`: one sample per reward."""
+    n = g or len(rewards)
+    return [scored(seq, idx, versions, r, g=n) for idx, r in enumerate(rewards)]
+
+
 def file_group(
     intake: Intake[str], seq: int, versions: list[int], rewards: tuple[float, float] = (1, 0)
 ) -> None:
-    for idx, r in enumerate(rewards):
-        intake.file(scored(seq, idx, versions, r), f"h{seq}/{idx}")
+    assert intake.file(group(seq, versions, rewards), f"h{seq}") is Filed.COMPLETED
 
 
 def test_file_outcomes() -> None:
     intake: Intake[str] = Intake(IntakePolicy(batch_size=1, group_size=2, max_staleness=0))
-    assert intake.file(scored(0, 0, [0], g=3), "x") is Filed.INVALID
+    assert intake.file(group(0, [0], (1, 0, 1)), "x") is Filed.INVALID
     assert "group_size 3" in intake.last_error
-    assert intake.file(scored(0, 0, [0]), "a") is Filed.HELD
-    assert intake.file(scored(0, 0, [0]), "a2") is Filed.DUPLICATE  # same index: held too
-    assert intake.file(scored(0, 1, [0]), "b") is Filed.COMPLETED
+    assert intake.file(group(0, [0]), "a") is Filed.COMPLETED  # the whole group in one message
+    assert intake.file(group(0, [0]), "a2") is Filed.DUPLICATE  # a copy in hand: held too
+    other = group(0, [0])
+    other[0].sample.prompt_ids = pack([9], "int32")
+    assert intake.file(other, "x") is Filed.INVALID  # a copy that disagrees with the group
+    assert "prompt differs" in intake.last_error
     pick = intake.take_batch()
     assert pick.batch is not None
     intake.commit_step(pick.batch, version=1, wall_s=1.0)
     # ended, checkpoint pending: a copy is held and released with that checkpoint
-    assert intake.file(scored(0, 1, [0]), "b2") is Filed.DUPLICATE
+    assert intake.file(group(0, [0]), "b2") is Filed.DUPLICATE
     ckpt, handles = intake.checkpoint()
-    assert sorted(handles) == ["a", "a2", "b", "b2"]
+    assert sorted(handles) == ["a", "a2", "b2"]  # one handle per group message
     assert ckpt.done_tasks == ["t0"]
     assert intake.checkpoint() == (ckpt, [])  # each handle is released once
     intake.checkpoint_written(ckpt)
-    assert intake.file(scored(0, 0, [0]), "c") is Filed.ACK_NOW  # covered by a written ckpt
+    assert intake.file(group(0, [0]), "c") is Filed.ACK_NOW  # covered by a written ckpt
+
+
+def test_a_group_in_parts_is_merged() -> None:
+    """A group too big for one message arrives in parts; copies of parts (a second attempt may
+    split differently) overlap: each index counts once, every handle is held with the group."""
+    intake: Intake[str] = Intake(IntakePolicy(batch_size=1, group_size=4, max_staleness=0))
+    whole = group(0, [0], (1, 0, 1, 0))
+    assert intake.file(whole[:1], "p0") is Filed.HELD
+    assert intake.file(whole[:2], "p01") is Filed.HELD  # index 0 again, index 1 new
+    assert intake.file(whole[1:2], "p1") is Filed.DUPLICATE
+    assert intake.take_batch().batch is None  # incomplete: nothing to train yet
+    assert intake.file(whole[2:], "p23") is Filed.COMPLETED
+    pick = intake.take_batch()
+    assert pick.batch is not None and intake.rewards(pick.batch) == [[1, 0, 1, 0]]
+    intake.commit_step(pick.batch, version=1, wall_s=1.0)
+    assert sorted(intake.checkpoint()[1]) == ["p0", "p01", "p1", "p23"]
 
 
 def test_stale_exactly_at_the_bound_is_fresh() -> None:
@@ -110,14 +136,13 @@ def test_restore() -> None:
     file_group(intake, 7, [4])  # in hand before the crash: lost with it (redelivered)
     intake.restore(CheckpointState(trainer=state, done_tasks=["t0", "t3"]))
     assert intake.state == state and intake.groups == {}
-    assert intake.file(scored(3, 0, [0]), "h") is Filed.ACK_NOW
+    assert intake.file(group(3, [0]), "h") is Filed.ACK_NOW
     assert intake.checkpoint()[1] == []
 
 
 def test_batch_info_on_a_tiny_batch() -> None:
     intake: Intake[str] = Intake(IntakePolicy(1, 2, max_staleness=4), TrainerState(version=4))
-    intake.file(scored(0, 0, [2, 2, 3], reward=1.0), "a")
-    intake.file(scored(0, 1, [3, 3], reward=0.0), "b")
+    intake.file([scored(0, 0, [2, 2, 3], reward=1.0), scored(0, 1, [3, 3], reward=0.0)], "a")
     pick = intake.take_batch()
     assert pick.batch is not None
     info = intake.batch_info(pick.batch)
@@ -148,7 +173,7 @@ def test_returned_slots_reach_admission_only_once_a_checkpoint_covers_them() -> 
     assert intake.kv_state().returned == 0  # ... but its slot is not given back yet
     assert intake.kv_state().version == 2
     ckpt, handles = intake.checkpoint()
-    assert handles == ["h0/0", "h0/1"] and not intake.retired_unwritten
+    assert handles == ["h0"] and not intake.retired_unwritten
     assert intake.kv_state().returned == 0  # taken, not yet written
     intake.checkpoint_written(ckpt)
     assert intake.kv_state().returned == 1  # durable: the slot goes back

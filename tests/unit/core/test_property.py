@@ -83,6 +83,7 @@ def settle(sim: Sim) -> None:
     duplicate=st.sampled_from(WEIGHTS),
     lost_ack=st.sampled_from(WEIGHTS),
     poison=st.sampled_from(WEIGHTS),
+    split_groups=st.sampled_from([0.0, 0.5]),
 )
 def test_invariants_hold_after_every_event(
     max_staleness: int,
@@ -101,6 +102,7 @@ def test_invariants_hold_after_every_event(
     duplicate: float,
     lost_ack: float,
     poison: float,
+    split_groups: float,
 ) -> None:
     faults = Faults(
         *crash, engine_failure=engine_failure, duplicate=duplicate, lost_ack=lost_ack, poison=poison
@@ -117,6 +119,7 @@ def test_invariants_hold_after_every_event(
         checkpoint_every=checkpoint_every,
         filter_zero_adv=filter_zero_adv and group_size > 1,  # G = 1: every group filtered
         sample_dedup_window=dedup_window,
+        split_groups=split_groups,
         faults=faults,
     )
     sim = Sim(cfg)
@@ -223,6 +226,33 @@ def test_checker_catches_retiring_a_group_being_trained() -> None:
         for sim in sims:
             check_every_event(sim, 400)
             settle(sim)
+
+
+class AckCopiedParts(Intake[SimLease]):
+    """A trainer that acks at once a part of a group whose samples it holds already (a group
+    too big for one message comes in parts, and a second attempt may split it differently):
+    the copy is gone from the stream, and if the trainer dies before its checkpoint, so is the
+    only other message of those samples."""
+
+    def file(self, part, handle: SimLease) -> Filed:
+        filed = super().file(part, handle)
+        tid = part[0].sample.task_id
+        if filed is Filed.DUPLICATE and tid in self.groups:
+            self.groups[tid].handles.remove(handle)
+            handle.ack()
+        return filed
+
+
+def test_checker_catches_acking_a_copied_part() -> None:
+    faults = Faults(trainer_crash=0.1, duplicate=0.3, worker_crash=0.05)
+    sims = [
+        Sim(
+            SimConfig(1, 2, group_size=3, seed=s, split_groups=1.0, faults=faults),
+            make_intake=AckCopiedParts,
+        )
+        for s in range(50)
+    ]
+    assert _finds(sims)
 
 
 def test_checker_catches_acking_a_redelivery_in_progress() -> None:

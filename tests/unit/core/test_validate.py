@@ -12,9 +12,16 @@ from hypothesis import strategies as st
 
 from areal.bus.codec import pack
 from areal.core.intake import Filed, Intake, IntakePolicy
-from areal.core.validate import Bounds, check_sample, check_scored, check_task
+from areal.core.validate import (
+    Bounds,
+    check_group,
+    check_sample,
+    check_scored,
+    check_scored_group,
+    check_task,
+)
 from areal.services.samples import rejection_marker
-from schemas import PackedArray, ScoredSample
+from schemas import PackedArray, SampleGroup, ScoredGroup, ScoredSample
 from tests.factories import make_sample, make_task
 
 B = Bounds(
@@ -179,9 +186,14 @@ def _intake() -> Intake[str]:
     return Intake(IntakePolicy(batch_size=1, group_size=4, max_staleness=2))
 
 
+def group(**fields) -> list[ScoredSample]:
+    """The 4 scored samples of task run-t3 (`fields` replace those of each)."""
+    return [scored(**{"task_id": "run-t3", "sample_idx": i, **fields}) for i in range(4)]
+
+
 def test_a_rejected_task_is_retired_once_and_its_slot_goes_back_with_the_checkpoint():
     intake = _intake()
-    assert intake.file(scored(task_id="run-t3", sample_idx=0), "h0") is Filed.HELD
+    assert intake.file(group(), "h0") is Filed.COMPLETED
     filed, retired = intake.reject("run-t3", 3, "h1")
     assert filed is Filed.REJECTED and retired is not None and retired.reason == "rejected"
     assert intake.state.rejected == 1 and intake.state.returned == 1
@@ -191,7 +203,7 @@ def test_a_rejected_task_is_retired_once_and_its_slot_goes_back_with_the_checkpo
     intake.checkpoint_written(ckpt)
     assert intake.kv_state().rejected == 1
     # later messages of the task are duplicates, and a second rejection retires nothing
-    assert intake.file(scored(task_id="run-t3", sample_idx=2), "h2") is Filed.ACK_NOW
+    assert intake.file(group(), "h2") is Filed.ACK_NOW
     assert intake.reject("run-t3", 3, "h3") == (Filed.ACK_NOW, None)
     acc = intake.accounting(admitted=1)
     assert acc.rejected == 1 and acc.in_flight == 0
@@ -202,35 +214,80 @@ def test_a_bad_message_naming_a_group_being_trained_neither_retires_nor_crashes_
     naming a task of that batch arrives mid-step (found in CI: the task was retired, then
     `commit_step` ended it a second time and the trainer crashed with a KeyError)."""
     intake = _intake()
-    for idx in range(4):
-        intake.file(scored(task_id="run-t3", sample_idx=idx), f"h{idx}")
+    assert intake.file(group(), "h0") is Filed.COMPLETED
     pick = intake.take_batch()
     assert pick.batch is not None
     assert intake.reject("run-t3", 3, "poison") == (Filed.DUPLICATE, None)  # held with it
-    other = scored(task_id="run-t3", sample_idx=1, prompt_ids=pack([9, 9], "int32"))
+    other = group(prompt_ids=pack([9, 9], "int32"))
     assert intake.file(other, "h-other") is Filed.INVALID  # what leads the service to reject
     intake.commit_step(pick.batch, version=1, wall_s=0.0)
     assert (intake.state.trained, intake.state.rejected) == (1, 0)  # ended once: trained
     _, handles = intake.checkpoint()
-    assert sorted(handles) == ["h0", "h1", "h2", "h3", "poison"]
+    assert sorted(handles) == ["h0", "poison"]
     assert intake.accounting(admitted=1).in_flight == 0
     # once committed the task has ended: a later rejection retires nothing
     assert intake.reject("run-t3", 3, "late") == (Filed.DUPLICATE, None)
 
 
-def test_a_sample_whose_prompt_differs_from_its_groups_is_invalid():
-    intake = _intake()
-    assert intake.file(scored(task_id="run-t3", sample_idx=0), "h0") is Filed.HELD
-    other = scored(task_id="run-t3", sample_idx=1, prompt_ids=pack([9, 9], "int32"))
-    assert intake.file(other, "h1") is Filed.INVALID
-    assert "prompt differs" in intake.last_error
+def test_a_real_group_a_part_of_one_and_a_lone_marker_pass():
+    assert check_scored_group(ScoredGroup(scored=group()), B, latest_version=2) is None
+    assert check_scored_group(ScoredGroup(scored=group()[1:3]), B, latest_version=2) is None
+    samples = [sc.sample for sc in group()]
+    assert check_group(SampleGroup(samples=samples), B, latest_version=2) is None
+    marker = rejection_marker("run-t3", 3, 4, "why", worker_id="w")
+    assert check_group(SampleGroup(samples=[marker]), B, latest_version=0) is None
+
+
+def _with(samples: list[ScoredSample], i: int, **fields) -> list[ScoredSample]:
+    out = list(samples)
+    out[i] = scored(**{"task_id": "run-t3", "sample_idx": i, **fields})
+    return out
+
+
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [
+        (lambda g: [*g[:3], g[0]], "more than once"),  # an index twice
+        (lambda g: _with(g, 2, prompt_ids=pack([9, 9], "int32")), "prompts differ"),
+        (lambda g: _with(g, 1, task_id="run-t4", task_seq=4), "is not of this task"),
+        (
+            lambda g: [
+                *g[:3],
+                ScoredSample(sample=rejection_marker("run-t3", 3, 4, "x", worker_id="w"), reward=0),
+            ],
+            "a rejection marker travels alone",
+        ),
+        (lambda g: _with(g, 3, behav_logp=LOGP_NAN), "non-finite"),  # one bad sample: all refused
+        (lambda g: [g[0], ScoredSample(sample=g[1].sample, reward=math.nan), *g[2:]], "reward"),
+    ],
+)
+def test_a_group_that_is_not_one_whole_task_or_holds_a_bad_sample_is_refused(make, fragment):
+    v = check_scored_group(ScoredGroup(scored=make(group())), B, latest_version=2)
+    assert v is not None and fragment in v.reason and not v.stale_view
+    if "reward" not in fragment:  # the same verdict at the reward worker, before scoring
+        samples = [sc.sample for sc in make(group())]
+        w = check_group(SampleGroup(samples=samples), B, latest_version=2)
+        assert w is not None and w.reason == v.reason
+
+
+def test_a_group_from_the_future_is_a_stale_view():
+    v = check_scored_group(
+        ScoredGroup(scored=group(versions=pack([3] * 5, "int32"))), B, latest_version=2
+    )
+    assert v is not None and v.stale_view
+    assert (
+        check_scored_group(
+            ScoredGroup(scored=group(versions=pack([3] * 5, "int32"))), B, latest_version=3
+        )
+        is None
+    )
 
 
 def test_a_task_that_never_ends_is_noticed_once_its_neighbours_are_far_ahead():
     intake = Intake(IntakePolicy(batch_size=1, group_size=1, max_staleness=100))
     for seq in [0, 1, 3, 4, 5, 6, 7, 8]:  # seq 2 never arrives (lost upstream)
         s = scored(task_id=f"run-t{seq}", task_seq=seq, sample_idx=0, group_size=1)
-        assert intake.file(s, f"h{seq}") is Filed.COMPLETED
+        assert intake.file([s], f"h{seq}") is Filed.COMPLETED
         pick = intake.take_batch()
         intake.commit_step(pick.batch, version=seq + 1, wall_s=0.0)
     assert intake.overdue(horizon=10) == []  # not yet far behind

@@ -10,7 +10,16 @@ from areal.bus.codec import encode, pack
 from areal.bus.tap import TapMessage
 from areal.monitor.format import decode_for, get_field, json_line, one_line, select, to_record
 from areal.monitor.tap import Tap, load_detokenizer
-from schemas import DeadLetter, Event, MetricRecord, ScoredSample, Task, WeightAnnouncement
+from schemas import (
+    DeadLetter,
+    Event,
+    MetricRecord,
+    SampleGroup,
+    ScoredGroup,
+    ScoredSample,
+    Task,
+    WeightAnnouncement,
+)
 from tests.factories import make_sample
 
 
@@ -107,16 +116,32 @@ def test_fields_select_dotted_paths_and_metric_values():
 
 async def test_tap_decodes_by_subject_dedups_by_msg_id_and_stops_at_count():
     lines: list[str] = []
-    tap = Tap(emit=lines.append, count=2)
-    s = make_sample()
-    raw = encode(s)
+    tap = Tap(emit=lines.append, count=3)
+    g = SampleGroup(samples=[make_sample(sample_idx=0, group_size=2), make_sample(group_size=2)])
+    raw = encode(g)
     subj = "areal.r.trajectories"
     for _ in range(2):  # a retried publish: same Nats-Msg-Id twice
-        await tap.on_message(TapMessage(subj, raw, s.msg_id(), 1.0))
+        await tap.on_message(TapMessage(subj, raw, g.msg_id(), 1.0))
     await tap.on_message(TapMessage(subj, b"junk", None, 2.0))
-    assert tap.n == 2 and tap.duplicates == 1 and tap.done.is_set()
-    assert lines[0].startswith("sample run-t3/1") and lines[1].startswith("undecodable")
-    assert decode_for(subj, raw) == s
+    await tap.on_message(TapMessage(subj, b"junk2", None, 3.0))  # past the count: not shown
+    # a group message is shown as its samples, one line each
+    assert tap.n == 3 and tap.duplicates == 1 and tap.done.is_set() and len(lines) == 3
+    assert lines[0].startswith("sample run-t3/0") and lines[1].startswith("sample run-t3/1")
+    assert lines[2].startswith("undecodable")
+    assert decode_for(subj, raw) == g
+
+
+async def test_tap_stops_inside_a_group_at_its_count():
+    lines: list[str] = []
+    tap = Tap(emit=lines.append, count=1)
+    g = ScoredGroup(
+        scored=[
+            ScoredSample(sample=make_sample(sample_idx=i, group_size=2), reward=float(i))
+            for i in range(2)
+        ]
+    )
+    await tap.on_message(TapMessage("areal.r.rewards", encode(g), g.msg_id(), 1.0))
+    assert tap.n == 1 and len(lines) == 1 and lines[0].startswith("scored")
 
 
 async def test_tap_json_lines_carry_subject_and_receive_time():

@@ -93,14 +93,13 @@ def test_trainer_idle_falls_back_to_the_step_record():
 
 
 def test_observed_traffic_gives_reward_rate_and_worker_ids():
-    from schemas import ScoredSample
+    from schemas import ScoredGroup, ScoredSample
 
     st = RunState(observing_since=100.0)
     sample = make_sample(n=4)  # 4 output tokens, worker "w"
-    for i in range(10):
-        st.fold(
-            ScoredSample(sample=sample, reward=1.0, reward_worker_id="reward-0"), 100.0 + 0.2 * i
-        )
+    one = ScoredSample(sample=sample, reward=1.0, reward_worker_id="reward-0")
+    for i in range(5):  # group messages of 2 samples each
+        st.fold(ScoredGroup(scored=[one, one]), 100.0 + 0.4 * i)
     # 10 scored samples in the 2 s observed so far
     assert st.throughput(now=102.0)["reward"] == pytest.approx((5.0, 20.0))
     assert [w.worker_id for w in st.live_workers(102.0)["reward"]] == ["reward-0"]

@@ -50,7 +50,7 @@ def filed_intake() -> tuple[Intake[Recorder], Recorder]:
     lease = Recorder()
     sample = make_sample(3, task_id="t0", task_seq=0, sample_idx=0, group_size=1)
     scored = ScoredSample(sample=sample, reward=1.0)
-    intake.file(scored, lease)
+    intake.file([scored], lease)
     batch = intake.take_batch().batch
     assert batch is not None
     intake.commit_step(batch, version=1, wall_s=0.0)  # trained: its lease awaits a checkpoint

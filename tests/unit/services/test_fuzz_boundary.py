@@ -1,6 +1,7 @@
 """Property-based fuzzing of every stage's boundary: thousands of generated bad or lying
 messages (random bytes, wrong types, boundary and non-finite values, huge arrays, lying lengths,
-foreign task ids, unadmitted seqs, future versions) go through the real decode step and the real
+foreign task ids, unadmitted seqs, future versions; groups with one lying sample, an index
+twice, a sample of another task or prompt, a marker among samples) go through the real decode step and the real
 handlers of the rollout, reward and trainer services. Every one is dead-lettered with a reason,
 none raises (a worker would exit), none is scheduled, scored or filed, and good traffic still
 flows afterwards.
@@ -29,8 +30,9 @@ from areal.core.validate import Bounds
 from areal.engines.base import SamplingParams
 from areal.services.reward import RewardService
 from areal.services.rollout import RolloutService
+from areal.services.samples import rejection_marker
 from areal.services.trainer import TrainerOptions, TrainerService
-from schemas import Sample, ScoredSample, Task
+from schemas import SampleGroup, ScoredGroup, ScoredSample, Task
 from schemas import subjects as S
 from schemas.state import ControllerState
 from schemas.subjects import RunNames
@@ -123,18 +125,16 @@ def _ids(draw, n: int) -> list[int]:
     return draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
 
 
-@st.composite
-def lying_sample(draw) -> dict:
-    """A sample dict (wire form) of this run with exactly one lie in it."""
+def _good_sample(draw, seq: int, idx: int, prompt: list[int]) -> tuple[dict, int]:
+    """A sample dict (wire form) of task `seq` of this run, and its length."""
     n = draw(st.integers(1, MAX_NEW))
-    seq = draw(st.integers(0, ADMITTED - 1))
     good = make_sample(
         n=n,
         task_id=f"{RUN}-t{seq}",
         task_seq=seq,
-        sample_idx=draw(st.integers(0, G - 1)),
+        sample_idx=idx,
         group_size=G,
-        prompt_ids=pack(_ids(draw, draw(st.integers(1, 6))), "int32"),
+        prompt_ids=pack(prompt, "int32"),
         output_ids=pack(_ids(draw, n), "int32"),
         behav_logp=pack(
             -np.abs(np.array(draw(st.lists(st.floats(0, 20), min_size=n, max_size=n)))), "float32"
@@ -143,9 +143,47 @@ def lying_sample(draw) -> dict:
             sorted(draw(st.lists(st.integers(0, LATEST), min_size=n, max_size=n))), "int32"
         ),
     ).model_dump(by_alias=True)
-    lie = draw(st.sampled_from(LIES))
-    lie(draw, good, n)
-    return good
+    return good, n
+
+
+@st.composite
+def lying_group(draw) -> dict:
+    """A group dict (wire form): the G samples of a task of this run, with exactly one lie in
+    one sample, or in the group's shape."""
+    seq = draw(st.integers(0, ADMITTED - 3))  # the last two are for good traffic
+    prompt = _ids(draw, draw(st.integers(1, 6)))
+    samples, lengths = zip(*(_good_sample(draw, seq, i, prompt) for i in range(G)), strict=True)
+    samples = list(samples)
+    if draw(st.booleans()):
+        k = draw(st.integers(0, G - 1))
+        draw(st.sampled_from(LIES))(draw, samples[k], lengths[k])
+    else:
+        draw(st.sampled_from(GROUP_LIES))(draw, samples)
+    return {"samples": samples}
+
+
+def _twice(draw, samples: list[dict]) -> None:
+    samples[draw(st.integers(1, G - 1))] = samples[0]
+
+
+def _foreign(draw, samples: list[dict]) -> None:
+    other = draw(st.integers(0, ADMITTED - 1).filter(lambda s: s != samples[0]["task_seq"]))
+    k = draw(st.integers(0, G - 1))
+    samples[k] = {**samples[k], "task_id": f"{RUN}-t{other}", "task_seq": other}
+
+
+def _marker_among(draw, samples: list[dict]) -> None:
+    s = samples[0]
+    marker = rejection_marker(s["task_id"], s["task_seq"], G, "x", worker_id="w")
+    samples[draw(st.integers(0, G - 1))] = marker.model_dump(by_alias=True)
+
+
+def _other_prompt(draw, samples: list[dict]) -> None:
+    k = draw(st.integers(1, G - 1))
+    samples[k] = {**samples[k], "prompt_ids": pack([VOCAB - 1] * 7, "int32").model_dump()}
+
+
+GROUP_LIES = [_twice, _foreign, _marker_among, _other_prompt]
 
 
 def _poke_array(field: str, dtype: str, bad: Any):
@@ -250,16 +288,33 @@ def _check_refused(lease: FakeLease) -> None:
     assert lease.reason.strip()
 
 
+def good_group(seq: int, reward: float = 1.0, bad_reward: float | None = None) -> ScoredGroup:
+    """The scored group of task `seq`; with `bad_reward`, the last sample carries it."""
+    rewards = [reward] * (G - 1) + [reward if bad_reward is None else bad_reward]
+    return ScoredGroup(
+        scored=[
+            ScoredSample(
+                sample=make_sample(
+                    task_id=f"{RUN}-t{seq}", task_seq=seq, sample_idx=i, group_size=G
+                ),
+                reward=r,
+            )
+            for i, r in enumerate(rewards)
+        ]
+    )
+
+
 @FUZZ
-@given(st.one_of(lying_sample(), garbage()))
+@given(st.one_of(lying_group(), garbage()))
 def test_the_trainer_refuses_every_lie_and_files_nothing(loop, msg):
     bus = _trainer_bus.get()
     svc = _trainer.get()
-    if isinstance(msg, dict):  # a lying sample with a good reward
-        data = msgpack.packb({"sample": msg, "reward": 1.0}, use_bin_type=True)
+    if isinstance(msg, dict):  # a lying group with good rewards
+        scored = [{"sample": s, "reward": 1.0} for s in msg["samples"]]
+        data = msgpack.packb({"scored": scored}, use_bin_type=True)
     else:
         data = msg
-    lease = loop.run_until_complete(deliver(bus, svc, S.REWARDS, ScoredSample, data))
+    lease = loop.run_until_complete(deliver(bus, svc, S.REWARDS, ScoredGroup, data))
     _check_refused(lease)
     assert all(not g.samples for g in svc.intake.groups.values())  # nothing filed to train on
 
@@ -268,24 +323,22 @@ def test_the_trainer_refuses_every_lie_and_files_nothing(loop, msg):
 @given(st.floats(allow_nan=True, allow_infinity=True).filter(lambda r: not 0 <= r <= 1))
 def test_the_trainer_refuses_every_reward_outside_the_range(loop, reward):
     bus, svc = _trainer_bus.get(), _trainer.get()
-    data = encode(
-        ScoredSample(sample=make_sample(task_id=f"{RUN}-t3", group_size=G), reward=reward)
-    )
-    _check_refused(loop.run_until_complete(deliver(bus, svc, S.REWARDS, ScoredSample, data)))
+    data = encode(good_group(3, bad_reward=reward))
+    _check_refused(loop.run_until_complete(deliver(bus, svc, S.REWARDS, ScoredGroup, data)))
     assert all(not g.samples for g in svc.intake.groups.values())
 
 
 @FUZZ
-@given(st.one_of(lying_sample(), garbage()))
+@given(st.one_of(lying_group(), garbage()))
 def test_the_reward_worker_refuses_every_lie_and_scores_nothing(loop, msg):
     bus, svc = _reward_bus.get(), _reward.get()
     data = msgpack.packb(msg, use_bin_type=True) if isinstance(msg, dict) else msg
     n_pub = len(bus.published)
-    lease = loop.run_until_complete(deliver(bus, svc, S.TRAJECTORIES, Sample, data))
+    lease = loop.run_until_complete(deliver(bus, svc, S.TRAJECTORIES, SampleGroup, data))
     _check_refused(lease)
     # at most a rejection marker went on (for a task of this run), never a scored sample
-    for _, scored in bus.published[n_pub:]:
-        assert scored.sample.rejected and scored.reward == 0.0
+    for _, group in bus.published[n_pub:]:
+        assert len(group.scored) == 1 and group.first.rejected and group.scored[0].reward == 0.0
 
 
 @st.composite
@@ -338,11 +391,15 @@ def test_the_rollout_refuses_every_lying_task_and_schedules_nothing(loop, msg):
 def test_good_traffic_still_flows_through_each_stage(loop):
     """After the lies, a good message of each kind is filed, scored or scheduled."""
     tb, trainer = _trainer_bus.get(), _trainer.get()
-    good = ScoredSample(
-        sample=make_sample(task_id=f"{RUN}-t99", task_seq=99, group_size=G), reward=1.0
-    )
-    lease = loop.run_until_complete(deliver(tb, trainer, S.REWARDS, ScoredSample, encode(good)))
+    data = encode(good_group(99))
+    lease = loop.run_until_complete(deliver(tb, trainer, S.REWARDS, ScoredGroup, data))
     assert lease.outcome is None and trainer.intake.groups[f"{RUN}-t99"].samples  # held, filed
+    rwb, reward = _reward_bus.get(), _reward.get()
+    samples = SampleGroup(samples=[sc.sample for sc in good_group(97).scored])
+    lease = loop.run_until_complete(
+        deliver(rwb, reward, S.TRAJECTORIES, SampleGroup, encode(samples))
+    )
+    assert lease.outcome == "ack" and len(rwb.published[-1][1].scored) == G  # scored, one message
     rb, rollout = _rollout_bus.get(), _rollout.get()
     task = make_task(task_id=f"{RUN}-t98", seq=98, group_size=G)
     lease = loop.run_until_complete(deliver(rb, rollout, S.PROMPTS, Task, encode(task)))
