@@ -146,6 +146,43 @@ def summary_lines(
     return out
 
 
+def eval_lines(runs: dict[str, list[RunResult]], n_tasks: int) -> list[str]:
+    """Held-out accuracy: each system's mean over repeats with its standard error (the spread
+    over repeats / sqrt(n); with one repeat, or repeats that all agree, the binomial SE of one
+    eval of `n_tasks` tasks instead), and the difference, paired by repeat (seed) when every
+    repeat of both has an eval, with its standard error."""
+    import math
+
+    evals = {s: [r.eval_reward for r in runs[s] if r.ok] for s in SYSTEMS}
+    if any(not xs or any(x is None for x in xs) for xs in evals.values()):
+        return []
+
+    def se(xs: list[float]) -> float:
+        n, m = len(xs), sum(xs) / len(xs)
+        spread = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n) if n > 1 else 0.0
+        return spread or math.sqrt(max(m * (1 - m), 1e-12) / n_tasks)
+
+    out = []
+    for s_ in SYSTEMS:
+        xs = evals[s_]
+        out.append(
+            f"- eval {LABEL[s_]}: mean {sum(xs) / len(xs):.3f} ± {se(xs):.3f} (SE, n={len(xs)})"
+        )
+    a, b = evals["areal"], evals["trl"]
+    if len(a) == len(b):
+        diffs = [x - y for x, y in zip(a, b, strict=True)]
+        d, e = (
+            sum(diffs) / len(diffs),
+            se(diffs) if len(set(diffs)) > 1 else math.hypot(se(a), se(b)),
+        )
+        verdict = "within" if abs(d) <= e else "not within"
+        out.append(
+            f"- eval difference areal - TRL, paired by repeat: {d:+.3f} ± {e:.3f} (SE): "
+            f"{verdict} one standard error"
+        )
+    return out
+
+
 def plot(
     runs: dict[str, list[RunResult]],
     startup: Startup,

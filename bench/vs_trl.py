@@ -46,12 +46,18 @@ addition, B=16, G=8, T=1.5, lr 3e-4, 2 minibatches, 150 steps, max_new_tokens 6)
 max_new_tokens 96, the quickstart's T=1.5 and lr 3e-4, 60 steps), where sampling dominates and
 TRL's padded batch generation waits for its longest completion.
 
+With `--paired-seeds`, repeat r runs both systems with seed `--seed`+r: TRL with one seed is
+deterministic (its repeats give one eval, a single draw of its seed-to-seed spread), so paired
+seeds are what compares the two systems' accuracy. The report gives each system's mean eval
+over repeats with its standard error, and the paired difference with its standard error.
+
 Per system (median over repeats): start-up (process spawn -> trainer start; for areal the
 trainer start is the metrics file's last write minus the last step's `wall_s`), trainer wall
 time to each reward threshold (rolling 10-step mean), trainer wall time, samples/s, final
 reward (last 10 steps), held-out accuracy of the final model.
 
     python bench/vs_trl.py [--quick] [--workload quickstart|long|both] [--repeats N]
+                           [--paired-seeds]
 
 Writes <out>/vs_trl{,_long}.md, .png (reward vs wall time) and .json (per-step curves).
 Needs `pip install trl` (tested with trl 1.16.0).
@@ -89,9 +95,17 @@ from _rl import (  # noqa: E402
     top_other_processes,
     warm_line,
 )
-from _vs_trl_report import SYSTEMS, plot, run_table, summary_lines, summary_table  # noqa: E402
+from _vs_trl_report import (  # noqa: E402
+    SYSTEMS,
+    eval_lines,
+    plot,
+    run_table,
+    summary_lines,
+    summary_table,
+)
 
 CONFIG = REPO_ROOT / "examples" / "arithmetic.yaml"
+EVAL_N = 512  # held-out tasks per eval (`eval_final` / `eval_model`'s default)
 
 
 @dataclass(frozen=True)
@@ -183,12 +197,21 @@ def areal_startup_s(res: RunResult, t_spawn: float) -> float | None:
 def run_workload(wl: Workload, args: argparse.Namespace, server_url: str, tmp: str) -> int:
     steps = args.steps or (wl.quick_steps if args.quick else wl.steps)
     repeats = args.repeats or (1 if args.quick else 3)
+    seeds = [args.seed + rep if args.paired_seeds else args.seed for rep in range(repeats)]
     ov = [*wl.overrides, f"seed={args.seed}", f"train.total_steps={steps}", *args.extra]
+
+    def ov_of(rep: int) -> list[str]:
+        return [*wl.overrides, f"seed={seeds[rep]}", f"train.total_steps={steps}", *args.extra]
+
     header = machine_header(
         {
             "workload": f"{wl.title}; base config {CONFIG.relative_to(REPO_ROOT)}, overrides "
             f"{' '.join(ov)}",
             "repeats": f"{repeats} per system, interleaved (areal first on even repeats)",
+            "seeds": f"repeat r runs both systems with seed {args.seed}+r (paired: its own "
+            "warm start, task order and sampling), so eval compares over seeds"
+            if args.paired_seeds
+            else f"{args.seed} for every run (TRL is then deterministic: its repeats agree)",
             "threads": f"areal: as `areal run` starts it (1 torch thread per worker, no "
             f"pinning); TRL: one process, {args.trl_threads} torch thread(s)",
             "busiest processes at start": top_other_processes(),
@@ -196,7 +219,8 @@ def run_workload(wl: Workload, args: argparse.Namespace, server_url: str, tmp: s
         }
     )
     print(header, flush=True)
-    model = prewarm(CONFIG, ov)
+    models = {seed: prewarm(CONFIG, ov_of(rep)) for rep, seed in enumerate(seeds)}  # untimed
+    model = models[seeds[0]]
     warm = warm_line(model, CONFIG, ov)
     print(warm, flush=True)
     import trl
@@ -211,18 +235,20 @@ def run_workload(wl: Workload, args: argparse.Namespace, server_url: str, tmp: s
             name = f"{system}-{rep}"
             run_id = f"vstrl{wl.tag.replace('_', '-')}-{rep}-{int(time.time())}"
             out = Path(tmp) / f"{run_id}-{system}"
-            print(f"\n[{wl.name} {name}] load {cpu_load()}", flush=True)
+            print(f"\n[{wl.name} {name}] seed {seeds[rep]}, load {cpu_load()}", flush=True)
+            rov = ov_of(rep)
             if system == "areal":
                 t_spawn = time.time()
-                r = run_areal(name, CONFIG, out, server_url, run_id, ov, timeout_s=args.timeout)
+                r = run_areal(name, CONFIG, out, server_url, run_id, rov, timeout_s=args.timeout)
                 startup[id(r)] = areal_startup_s(r, t_spawn)
-                r.eval_reward = eval_final(r, CONFIG, ov)
+                r.eval_reward = eval_final(r, CONFIG, rov)
                 shown = show_cmd(r.cmd)
             else:
-                r = run_trl(name, ov, model, out, args.trl_threads, args.timeout)
+                model_r = models[seeds[rep]]
+                r = run_trl(name, rov, model_r, out, args.trl_threads, args.timeout)
                 startup[id(r)] = r.summary.get("startup_s")
                 final = out / "final"
-                r.eval_reward = eval_model(final, CONFIG, ov) if final.is_dir() else None
+                r.eval_reward = eval_model(final, CONFIG, rov) if final.is_dir() else None
                 shown = " ".join(["python", *r.cmd[1:]])
             if rep == 0:
                 cmds.append(shown)
@@ -272,6 +298,7 @@ def run_workload(wl: Workload, args: argparse.Namespace, server_url: str, tmp: s
             summary,
             "",
             *summary_lines(runs, startup, wl.thresholds),
+            *eval_lines(runs, EVAL_N),
             "",
             "Per run:",
             "",
@@ -298,7 +325,8 @@ def run_workload(wl: Workload, args: argparse.Namespace, server_url: str, tmp: s
         ]
     )
     (args.out / f"vs_trl{wl.tag}.md").write_text(md)
-    print("\n" + summary + "\n\n" + "\n".join(summary_lines(runs, startup, wl.thresholds)))
+    lines = [*summary_lines(runs, startup, wl.thresholds), *eval_lines(runs, EVAL_N)]
+    print("\n" + summary + "\n\n" + "\n".join(lines))
     print(f"\nwrote {args.out / f'vs_trl{wl.tag}.md'}, {png}", flush=True)
     return 0 if all(r.ok for rs in runs.values() for r in rs) else 1
 
@@ -310,6 +338,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, help="runs per system (default 3, --quick 1)")
     ap.add_argument("--steps", type=int, help="train.total_steps (default: per workload)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--paired-seeds",
+        action="store_true",
+        help="repeat r runs both systems with seed+r (each seed builds its warm start once, "
+        "untimed): eval accuracy is then compared over seeds, not one seed's draw",
+    )
     ap.add_argument("--trl-threads", type=int, default=1, help="TRL's torch threads")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR, help="results dir")

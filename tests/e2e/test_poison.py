@@ -52,7 +52,7 @@ def _sample(seq: int, **fields):
     )
 
 
-IDENTITY = ("task_id", "task_seq", "group_size")
+IDENTITY = ("task_id", "task_seq", "group_size", "prompt_ids")  # the same in every sample
 
 
 def _group(seq: int, **fields) -> SampleGroup:

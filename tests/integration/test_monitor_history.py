@@ -13,7 +13,7 @@ from areal.bus.client import Bus
 from areal.bus.embedded import EmbeddedNats
 from areal.bus.tap import TapClient, discover_run, list_runs
 from areal.cli import main
-from schemas import MetricRecord
+from schemas import MetricRecord, SampleGroup
 from schemas import subjects as S
 from tests.factories import make_sample
 from tests.integration.test_bus import raw_client
@@ -61,9 +61,8 @@ async def test_history_replays_the_last_n_then_follows_live(nats_url, run_id, ca
 async def test_work_queue_history_is_a_peek_that_consumes_nothing(nats_url, run_id, capsys):
     bus = await Bus.connect(nats_url, run_id, "rollout", "rollout-0")
     for i in range(3):
-        await bus.publish(
-            S.TRAJECTORIES, make_sample().model_copy(update={"task_id": f"{run_id}-t{i}"})
-        )
+        part = SampleGroup(samples=[make_sample(task_id=f"{run_id}-t{i}")])  # 1 of G = 4
+        await bus.publish(S.TRAJECTORIES, part)
     rc, lines = await tap_cli(
         capsys,
         "trajectories",
