@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -277,24 +277,25 @@ def _group_shape(samples: Sequence[Sample]) -> str | None:
 
 def check_group(group: SampleGroup, b: Bounds, *, latest_version: int) -> Verdict | None:
     """A group from `trajectories`, at the reward worker: its shape, then each sample."""
-    err = _group_shape(group.samples)
-    if err is not None:
-        return Verdict(err)
-    for sample in group.samples:
-        verdict = check_sample(sample, b, latest_version=latest_version)
-        if verdict is not None:
-            return verdict
-    return None
+    return _check_each(group.samples, group.samples, check_sample, b, latest_version)
 
 
 def check_scored_group(group: ScoredGroup, b: Bounds, *, latest_version: int) -> Verdict | None:
     """A scored group from `rewards`, before the trainer files it: its shape, then each scored
     sample (reward and sample)."""
-    err = _group_shape([sc.sample for sc in group.scored])
+    samples = [sc.sample for sc in group.scored]
+    return _check_each(samples, group.scored, check_scored, b, latest_version)
+
+
+def _check_each(
+    samples: Sequence[Sample], items: Sequence, check: Callable, b: Bounds, latest_version: int
+) -> Verdict | None:
+    """The group's shape (`samples`), then `check` on each of `items`: the first verdict."""
+    err = _group_shape(samples)
     if err is not None:
         return Verdict(err)
-    for scored in group.scored:
-        verdict = check_scored(scored, b, latest_version=latest_version)
+    for item in items:
+        verdict = check(item, b, latest_version=latest_version)
         if verdict is not None:
             return verdict
     return None
