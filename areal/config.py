@@ -444,6 +444,12 @@ class TrainSettings(_Part):
         "ffd", description="dynamic (ffd) or fixed micro-batches"
     )
     fixed_mb_size: int = Field(8, ge=1, description="sequences per micro-batch when packing=fixed")
+    share_prompts: bool = Field(
+        True,
+        description="packing=ffd: the samples of a micro-batch that share a prompt (a group) "
+        "carry it once, so its tokens go through the model once, not group_size times (same "
+        "log-probs and gradients)",
+    )
     checkpoint_every: int = Field(1, ge=1, description="steps between trainer checkpoints")
     checkpoint_retry_s: float = Field(
         300.0,

@@ -60,6 +60,7 @@ def make_engine(settings: RunSettings) -> Any:
             seed=view.seed,
             packing=t.packing,
             fixed_mb_size=t.fixed_mb_size,
+            share_prompts=t.share_prompts,
             gradient_checkpointing=t.gradient_checkpointing,
             zero_stage=t.zero_stage,
             activation_offload=t.activation_offload,

@@ -81,6 +81,7 @@ class TrainEngineConfig:
     packing: Literal["ffd", "fixed"] = "ffd"  # micro-batching: FFD packed rows | padded chunks
     fixed_mb_size: int = 8  # sequences per micro-batch when packing == "fixed", >= 1
     attn_implementation: str = "varlen"  # "varlen" (ours) or an HF name: sdpa, eager, ...
+    share_prompts: bool = True  # varlen + ffd: a prompt shared by seqs is run once per row
     zero_stage: int = 2  # DeepSpeed ZeRO stage 1..3 (deepspeed only; 0 has no non-finite guard)
     gradient_checkpointing: bool = False  # recompute decoder layers in backward (fsdp, deepspeed)
     activation_offload: bool = False  # saved activations to pinned CPU memory (fsdp, CUDA only)

@@ -227,6 +227,7 @@ class DeepSpeedTrainEngine:
             packing=cfg.packing,
             fixed_mb_size=cfg.fixed_mb_size,
             varlen=varlen,
+            share_prompts=cfg.share_prompts,
         )
 
     def _load_model(self, dtype: torch.dtype) -> tuple[torch.nn.Module, bool]:

@@ -131,6 +131,7 @@ class FSDPTrainEngine:
             packing=cfg.packing,
             fixed_mb_size=cfg.fixed_mb_size,
             varlen=varlen,
+            share_prompts=cfg.share_prompts,
         )
 
     # ---------------------------------------------------------------- protocol

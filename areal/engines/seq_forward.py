@@ -9,6 +9,11 @@ Invariants:
   sum(len_i^2)); with ``sdpa``/``eager`` transformers (>= 5) builds a block-diagonal mask from the
   restarting position ids (cost L^2) and older versions get an explicit 4-D additive mask;
   ``flash_attention_2`` handles restarting position ids natively.
+- Shared prompts (``share_prompts``, default on with ``varlen_attn``): within a packed micro-batch
+  the seqs with the same prompt (a GRPO group's G samples) carry that prompt once, followed by
+  their completions; each completion attends to the prompt and to its own tokens only, so the
+  log-probs and gradients are those of the separate sequences while the prompt's tokens go
+  through the model's layers once instead of G times.
 - ``packing="fixed"``: consecutive chunks of ``fixed_mb_size``, right-padded (the baseline).
 - Only the logits of output positions are computed (``logits_to_keep``) in the packed path.
 - ``logp_and_entropy`` also returns each output position's entropy ``-sum_v p_v log p_v`` of the
@@ -70,6 +75,7 @@ class SeqForward:
         packing: str,
         fixed_mb_size: int,
         varlen: bool,
+        share_prompts: bool = True,
     ) -> None:
         if packing not in ("ffd", "fixed"):
             raise ValueError(f"packing must be 'ffd' or 'fixed', got {packing!r}")
@@ -78,6 +84,7 @@ class SeqForward:
         self.packing = packing
         self.fixed_mb_size = fixed_mb_size
         self.varlen = varlen
+        self.share_prompts = share_prompts and varlen  # needs our attention (areal_blocks)
         self.builtin_packed = _packed_detection_builtin()
 
     def micro_batches(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> list[list[int]]:
@@ -110,6 +117,8 @@ class SeqForward:
         return self._packed(seqs)
 
     def _packed(self, seqs: list[TrainSeq]) -> torch.Tensor:
+        if self.share_prompts:
+            return self._packed_shared(seqs)
         ids = torch.cat([torch.cat([s.prompt_ids, s.output_ids]) for s in seqs])  # [L]
         pos = torch.cat([torch.arange(seq_len(s)) for s in seqs])  # [L]
         keep, offset = [], 0
@@ -122,11 +131,48 @@ class SeqForward:
             kwargs["areal_seg_lens"] = [seq_len(s) for s in seqs]
         elif not self.builtin_packed:
             kwargs["attention_mask"] = _block_causal_mask(seqs, self.dtype).to(self.device)
+        return self._row(ids, pos, torch.cat(keep), kwargs)
+
+    def _packed_shared(self, seqs: list[TrainSeq]) -> torch.Tensor:
+        """``_packed`` with each distinct prompt once: the seqs that share a prompt (a GRPO
+        group) become one block, prompt then completions (``varlen_attn`` ``areal_blocks``).
+        Logits come back in ``seqs`` order; a completion's first token is predicted from the
+        prompt's last position, shared by the block."""
+        by_prompt: dict[tuple[int, ...], list[int]] = {}
+        for i, s in enumerate(seqs):
+            by_prompt.setdefault(tuple(s.prompt_ids.tolist()), []).append(i)
+        ids, pos, blocks = [], [], []
+        keep: list[torch.Tensor | None] = [None] * len(seqs)
+        offset = 0
+        for members in by_prompt.values():
+            prompt = seqs[members[0]].prompt_ids
+            p = len(prompt)
+            ids.append(prompt)
+            pos.append(torch.arange(p))
+            last_prompt, offset = offset + p - 1, offset + p
+            for i in members:
+                out = seqs[i].output_ids
+                t = len(out)
+                ids.append(out)
+                pos.append(torch.arange(p, p + t))
+                # token j is predicted from the position before it: the prompt's last for j = 0
+                keep[i] = torch.cat(
+                    [torch.tensor([last_prompt]), torch.arange(offset, offset + max(t - 1, 0))]
+                )[:t]
+                offset += t
+            blocks.append((p, tuple(len(seqs[i].output_ids) for i in members)))
+        kwargs = {"areal_blocks": blocks}
+        return self._row(torch.cat(ids), torch.cat(pos), torch.cat(keep), kwargs)  # type: ignore[arg-type]
+
+    def _row(
+        self, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor, kwargs: dict
+    ) -> torch.Tensor:
+        """Logits ``[K, V]`` at row positions ``keep`` of one packed row."""
         return self.model(
             input_ids=ids[None].to(self.device),
             position_ids=pos[None].to(self.device),
             use_cache=False,
-            logits_to_keep=torch.cat(keep).to(self.device),
+            logits_to_keep=keep.to(self.device),
             **kwargs,
         ).logits[0]  # [K, V]
 

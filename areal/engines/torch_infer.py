@@ -17,6 +17,8 @@ Invariants:
   "length" at its ``max_new_tokens`` (the request's, else ``SamplingParams``') or when prompt +
   output reach the model's ``max_position_embeddings`` (a prompt already that long finishes at
   once with no output).
+- Prefill runs each distinct token sequence once (a GRPO group's G requests share one prompt)
+  and copies its cache rows; decoding then samples every row independently.
 - Thread-safety: ``generate`` holds the engine lock for its whole run; ``poll_weights`` is the
   only way to hand weights in mid-generation (a ``load_weights`` from another thread waits).
 
@@ -343,15 +345,21 @@ class TorchInferenceEngine:
         return None
 
     def _prefill(self, rows: list[_Row]) -> _Batch:
-        """Run the prompts (+ tokens so far) of `rows` as one left-padded batch with a fresh cache."""
+        """Run the prompts (+ tokens so far) of `rows` as one left-padded batch with a fresh cache.
+
+        Rows with the same tokens (a group's G samples of one prompt, before their first token)
+        are run once; their cache entries, mask and logits are copied to every such row."""
         from transformers import DynamicCache
 
-        length = max(len(r.ids) for r in rows)
-        ids = torch.zeros(len(rows), length, dtype=torch.long)
-        attn = torch.zeros(len(rows), length, dtype=torch.long)
-        for j, r in enumerate(rows):
-            ids[j, length - len(r.ids) :] = torch.tensor(r.ids)
-            attn[j, length - len(r.ids) :] = 1
+        slot: dict[tuple[int, ...], int] = {}
+        which = [slot.setdefault(tuple(r.ids), len(slot)) for r in rows]  # row -> unique input
+        uniq = [list(k) for k in slot]
+        length = max(len(x) for x in uniq)
+        ids = torch.zeros(len(uniq), length, dtype=torch.long)
+        attn = torch.zeros(len(uniq), length, dtype=torch.long)
+        for j, x in enumerate(uniq):
+            ids[j, length - len(x) :] = torch.tensor(x)
+            attn[j, length - len(x) :] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)  # [n, S]
         try:
@@ -366,10 +374,15 @@ class TorchInferenceEngine:
             logits_to_keep=1,
             **{self._cache_kw: cache},
         )
+        logits = out.logits[:, -1, :]
+        if len(uniq) < len(rows):  # the cache is filled in place; copy shared entries out
+            ix = torch.tensor(which, device=attn.device)
+            _set_kv(cache, [(k[ix], v[ix]) for k, v in _kv(cache)])
+            attn, logits = attn[ix], logits[ix]
         batch = _Batch()
-        batch.rows, batch.cache, batch.attn = rows, cache, attn  # the cache is filled in place
+        batch.rows, batch.cache, batch.attn = rows, cache, attn
         batch.pos = attn.sum(dim=1)  # [n] next position = number of real tokens
-        batch.logits = out.logits[:, -1, :]
+        batch.logits = logits
         return batch
 
     def _decode(self, batch: _Batch, tokens: torch.Tensor) -> None:

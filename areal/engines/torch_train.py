@@ -101,6 +101,7 @@ class TorchTrainEngine:
             packing=cfg.packing,
             fixed_mb_size=cfg.fixed_mb_size,
             varlen=varlen,
+            share_prompts=cfg.share_prompts,
         )
 
     # ---------------------------------------------------------------- protocol

@@ -11,7 +11,14 @@ per layer instead of one per sequence (per-sequence calls made a 128-sequence tr
 overhead-bound on CPU), and padded attention FLOPs are bounded by the 2x bucket rule.
 
 Segments come from the ``areal_seg_lens`` forward kwarg (a list of ints that transformers passes
-down to the attention function), else from ``position_ids`` restarting at 0. Anything else
+down to the attention function), else from ``position_ids`` restarting at 0.
+
+Shared prompts (``areal_blocks``, GRPO's G samples of one prompt): a block ``(P, (T_1, ..,
+T_G))`` lays out one prompt of P tokens followed by its G completions, so the prompt's tokens go
+through the model once instead of G times. Completion i attends to the prompt and to its own
+earlier tokens only: attention gathers, for each completion, the "view" prompt + completion i (a
+plain causal sequence again) into the length buckets, and keeps the prompt's outputs from the
+first view only. A block ``(n, ())`` is a plain segment of n tokens. Anything else
 (a mask, a cache, several rows) goes to the stock sdpa function, so right-padded batches
 (causal attention never sees the right padding) stay exact too.
 
@@ -52,6 +59,7 @@ def varlen_sdpa_forward(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     seg_lens = kwargs.pop("areal_seg_lens", None)
+    blocks = kwargs.pop("areal_blocks", None)
     window = _check_window(kwargs.pop("sliding_window", None))
     position_ids = kwargs.get("position_ids")
     plain = (
@@ -59,6 +67,20 @@ def varlen_sdpa_forward(
         or query.shape[0] != 1
         or query.shape[2] != key.shape[2]  # decoding with a cache
     )
+    if blocks is not None:
+        if plain:
+            raise ValueError(
+                "areal_blocks (shared prompts) need one packed row without a mask or a cache"
+            )
+        blocks = tuple((int(p), tuple(int(t) for t in ts)) for p, ts in blocks)
+        total = sum(p + sum(ts) for p, ts in blocks)
+        if total != query.shape[2]:
+            raise ValueError(
+                f"areal_blocks cover {total} tokens but the packed row has {query.shape[2]}"
+            )
+        return _bucketed_causal_sdpa(
+            sdpa_attention_forward, module, query, key, value, blocks, dropout, scaling, window
+        ), None
     if seg_lens is None and not plain and position_ids is not None:
         starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [query.shape[2]]
         seg_lens = [b - a for a, b in zip(starts, starts[1:], strict=False) if b > a]
@@ -75,6 +97,38 @@ def varlen_sdpa_forward(
     return _bucketed_causal_sdpa(
         sdpa_attention_forward, module, query, key, value, seg_lens, dropout, scaling, window
     ), None
+
+
+def _as_blocks(layout) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``areal_seg_lens`` (ints: plain segments) or ``areal_blocks`` as a tuple of blocks."""
+    return tuple(
+        (int(x), ()) if isinstance(x, int) else (int(x[0]), tuple(int(t) for t in x[1]))
+        for x in layout
+    )
+
+
+def block_views(blocks) -> list[tuple[list[int], int]]:
+    """The causal sequences ("views") attention runs for a packed row of ``blocks``: each is
+    (row positions in sequence order, how many leading positions' outputs it does not keep).
+
+    Every row position is kept by exactly one view: a plain segment is one view; a block's
+    first completion view keeps the prompt and itself, every later one only its own tokens."""
+    views, off = [], 0
+    for p, ts in blocks:
+        prompt = list(range(off, off + p))
+        off += p
+        if not ts:
+            if p:
+                views.append((prompt, 0))
+            continue
+        for i, t in enumerate(ts):
+            comp = list(range(off, off + t))
+            off += t
+            if i == 0 and prompt + comp:
+                views.append((prompt + comp, 0))
+            elif i > 0 and t:
+                views.append((prompt + comp, p))
+    return views
 
 
 def _check_window(window) -> int | None:
@@ -134,24 +188,26 @@ def length_buckets(seg_lens: list[int], ratio: float = 2.0) -> list[list[int]]:
 
 @functools.lru_cache(maxsize=32)
 @torch.inference_mode(False)  # cached tensors must stay usable by autograd later
-def _bucket_plan(seg_lens: tuple[int, ...], device: torch.device) -> tuple[list, torch.Tensor]:
-    """Gather indices per length bucket, and the inverse permutation back to packed order.
+def _bucket_plan(blocks: tuple, device: torch.device) -> tuple[list, torch.Tensor]:
+    """Gather indices per length bucket of the views (``block_views``), and the inverse
+    permutation from the kept outputs back to packed order.
 
-    Cached: every layer of a forward (and the backward's replay) sees the same segments, so
+    Cached: every layer of a forward (and the backward's replay) sees the same layout, so
     the index tensors are built once per micro-batch layout, not once per layer."""
-    starts = [0]
-    for n in seg_lens[:-1]:
-        starts.append(starts[-1] + n)
+    views = block_views(blocks)
+    lens = [len(v) for v, _ in views]
     buckets, positions = [], []
-    for group in length_buckets(list(seg_lens)):
-        width = seg_lens[group[0]]
-        t = torch.arange(width, device=device)
-        lens = torch.tensor([seg_lens[i] for i in group], device=device)
-        first = torch.tensor([starts[i] for i in group], device=device)
-        # [k, width] packed positions; right padding repeats the segment's last position (any
+    for group in length_buckets(lens):
+        width = lens[group[0]]
+        # [k, width] packed positions; right padding repeats the view's last position (any
         # real position works: causal queries never look right, and padded queries are dropped)
-        idx = first[:, None] + torch.minimum(t[None, :], lens[:, None] - 1)
-        valid = t[None, :] < lens[:, None]
+        idx = torch.tensor(
+            [views[i][0] + [views[i][0][-1]] * (width - lens[i]) for i in group], device=device
+        )
+        t = torch.arange(width, device=device)
+        n = torch.tensor([lens[i] for i in group], device=device)
+        skip = torch.tensor([views[i][1] for i in group], device=device)
+        valid = (t[None, :] < n[:, None]) & (t[None, :] >= skip[:, None])
         buckets.append((idx.reshape(-1), (len(group), width), valid))
         positions.append(idx[valid])
     order = torch.cat(positions)
@@ -161,12 +217,13 @@ def _bucket_plan(seg_lens: tuple[int, ...], device: torch.device) -> tuple[list,
 
 
 def _bucketed_causal_sdpa(
-    sdpa, module, query, key, value, seg_lens, dropout, scaling, window: int | None = None
+    sdpa, module, query, key, value, layout, dropout, scaling, window: int | None = None
 ):
     """[1, L, H, D] output of causal attention within each segment of the packed row; with a
-    `window`, query q of a segment sees only its keys k with q - k < window."""
+    `window`, query q of a segment sees only its keys k with q - k < window. `layout`: segment
+    lengths, or blocks with shared prompts (see the module docstring)."""
     window = _check_window(window)
-    buckets, inverse = _bucket_plan(tuple(seg_lens), query.device)
+    buckets, inverse = _bucket_plan(_as_blocks(layout), query.device)
     outs = []
     for flat, shape, valid in buckets:
 
@@ -175,7 +232,7 @@ def _bucketed_causal_sdpa(
             return x[0].index_select(1, flat).unflatten(1, shape).transpose(0, 1)
 
         width = shape[1]
-        # Every segment of a bucket starts at row position 0, so one [width, width] mask fits
+        # Every view of a bucket starts at row position 0, so one [width, width] mask fits
         # all of them; a window no segment of the bucket exceeds changes nothing.
         mask = None
         if window is not None and width > window:

@@ -245,3 +245,26 @@ def test_per_request_max_new_tokens(model_dir):
     outs = infer_engine(model_dir).generate(rs, params=params)
     assert [len(o.output_ids) for o in outs] == [2, 9, 5]
     assert {o.finish_reason for o in outs} == {"length"}
+
+
+def test_a_group_of_one_prompt_is_prefilled_once(engine, ref_model, monkeypatch):
+    """G requests of one prompt (a GRPO group) share one prefill row, then sample apart: each
+    sample's recorded log-probs are still those of its own full forward."""
+    prompts = random_prompts([4, 6], seed=9)
+    group = [prompts[0]] * 5 + [prompts[1]] * 3 + [prompts[0]]
+    widths = []
+    forward = engine.model.forward
+
+    def spy(*args, **kwargs):
+        widths.append(kwargs["input_ids"].shape)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", spy)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    outs = engine.generate(reqs(group), params=params)
+    assert widths[0][0] == 2  # the prefill: two distinct prompts
+    assert all(w[0] == len(group) for w in widths[1:2])  # the first decode: every row
+    assert len({tuple(o.output_ids) for o in outs}) > 2  # rows sampled independently
+    for p, o in zip(group, outs, strict=True):
+        expected = full_logp(ref_model, p, o.output_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(o.behav_logp), expected, atol=1e-4, rtol=0)

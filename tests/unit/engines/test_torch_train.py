@@ -68,23 +68,71 @@ def test_packed_logp_equals_each_sequence_alone(model_dir, ref_model, packing, a
         torch.testing.assert_close(lp, expected, atol=1e-5, rtol=0)
 
 
-def test_varlen_attention_really_splits_segments(model_dir, monkeypatch):
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_varlen_attention_really_splits_segments(model_dir, monkeypatch, share_prompts):
     from areal.engines import varlen_attn
 
     seen = []
     orig = varlen_attn.varlen_sdpa_forward
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("areal_seg_lens"))
+        seen.append((kwargs.get("areal_seg_lens"), kwargs.get("areal_blocks")))
         return orig(*args, **kwargs)
 
-    eng = train_engine(model_dir)
+    eng = train_engine(model_dir, share_prompts=share_prompts)
     monkeypatch.setitem(
         __import__("transformers").AttentionInterface._global_mapping, varlen_attn.NAME, spy
     )
     eng.compute_logp(make_seqs(), 1000)
     assert len(seen) == 2  # one packed row (FFD order: longest first), two layers
-    assert seen[0] == sorted((p + t for p, t in SHAPES), reverse=True)
+    by_length = sorted(SHAPES, key=lambda pt: -sum(pt))
+    if share_prompts:  # distinct prompts: one block of one completion each
+        assert seen[0] == (None, [(p, (t,)) for p, t in by_length])
+    else:
+        assert seen[0] == ([p + t for p, t in by_length], None)
+
+
+def grouped_seqs(n_groups: int = 3, g: int = 4, seed: int = 5) -> list[TrainSeq]:
+    """GRPO-shaped: `n_groups` prompts, each with `g` completions of different lengths (one
+    empty), advantages of both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(n_groups):
+        prompt = torch.randint(1, 32, (3 + 2 * k,), generator=gen)
+        for i in range(g):
+            t = (k + i) % 5  # 0..4 tokens
+            out.append(
+                TrainSeq(
+                    prompt_ids=prompt.clone(),
+                    output_ids=torch.randint(1, 32, (t,), generator=gen),
+                    behav_logp=torch.zeros(t),
+                    versions=torch.zeros(t, dtype=torch.long),
+                    adv=float(i % 3 - 1),
+                )
+            )
+    return out
+
+
+def test_shared_prompts_give_each_sequence_alone(model_dir, ref_model):
+    """A group's prompt runs once per row: log-probs are each sequence's own, and a PPO step
+    lands on the same weights as without sharing, while the row is shorter."""
+    temperature = 0.7
+    shared = train_engine(model_dir, lr=1e-2, temperature=temperature, n_minibatches=2)
+    plain = train_engine(
+        model_dir, lr=1e-2, temperature=temperature, n_minibatches=2, share_prompts=False
+    )
+    seqs = grouped_seqs()
+    for s, lp in zip(seqs, shared.compute_logp(seqs, 1000), strict=True):
+        expected = full_logp(ref_model, s.prompt_ids.tolist(), s.output_ids.tolist(), temperature)
+        torch.testing.assert_close(lp, expected, atol=1e-5, rtol=0)
+    a = shared.train_step(with_behav(shared, grouped_seqs()), max_tokens_per_mb=1000)
+    b = plain.train_step(with_behav(plain, grouped_seqs()), max_tokens_per_mb=1000)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    # Adam's first step is ~lr * sign(grad): a gradient entry near 0 that differs by rounding
+    # moves its weight by a fraction of lr (1e-2); 1e-4 still catches any wrong gradient
+    for pa, pb in zip(shared.model.parameters(), plain.model.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -41,11 +41,15 @@ def test_bucketed_attention_equals_each_segment_alone(lens):
         )
         refs.append(ref)
         start += n
-    ref = torch.cat(refs, dim=1)
-    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+    assert_same_values_and_grads(out, torch.cat(refs, dim=1), (q, k, v), g, atol=1e-6)
+
+
+def assert_same_values_and_grads(out, ref, inputs, g, atol):
+    """`out` equals `ref`, and so do the gradients of a random projection of both."""
+    torch.testing.assert_close(out, ref, atol=atol, rtol=0)
     w = torch.randn(ref.shape, generator=g)
-    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
-    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    grads = torch.autograd.grad((out * w).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref * w).sum(), inputs)
     for a, b in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
@@ -113,3 +117,54 @@ def test_sliding_window_on_the_stock_path_and_bad_windows():
             varlen_sdpa_forward(_Mod(), q, k, v, None, areal_seg_lens=[10], sliding_window=bad)
     with pytest.raises(ValueError, match="areal_seg_lens sum to 9"):
         varlen_sdpa_forward(_Mod(), q, k, v, None, areal_seg_lens=[4, 5])
+
+
+@pytest.mark.parametrize(
+    "blocks",
+    [
+        [(3, (2, 4, 1))],
+        [(5, ()), (2, (3, 0, 6, 1)), (4, (1,)), (1, ())],
+        [(6, (0,)), (2, (9, 9))],
+    ],
+)
+@pytest.mark.parametrize("window", [None, 3])
+def test_shared_prompt_blocks_equal_each_prompt_plus_completion(blocks, window):
+    """`areal_blocks`: a prompt then its completions in one row; each completion sees the prompt
+    and its own earlier tokens, as if prompt + completion ran alone (values and gradients)."""
+    from areal.engines.varlen_attn import varlen_sdpa_forward
+
+    g = torch.Generator().manual_seed(3)
+    L, D = sum(p + sum(ts) for p, ts in blocks), 8
+    q = torch.randn(1, 4, L, D, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, L, D, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, L, D, generator=g, requires_grad=True)
+    out, _ = varlen_sdpa_forward(_Mod(), q, k, v, None, areal_blocks=blocks, sliding_window=window)
+    # reference: each prompt + completion alone; the prompt's outputs from its first completion
+    ref = [None] * L
+    off = 0
+    for p, ts in blocks:
+        prompt = list(range(off, off + p))
+        off += p
+        comps = []
+        for t in ts or (0,):
+            comps.append(list(range(off, off + t)))
+            off += t
+        for i, comp in enumerate(comps):
+            ix = torch.tensor(prompt + comp, dtype=torch.long)
+            if len(ix) == 0:
+                continue
+            o = _windowed_reference(q[:, :, ix], k[:, :, ix], v[:, :, ix], [len(ix)], window or L)
+            for j, pos in enumerate(ix.tolist()):
+                if i == 0 or j >= p:
+                    ref[pos] = o[0, j]
+    assert_same_values_and_grads(out, torch.stack(ref)[None], (q, k, v), g, atol=1e-5)
+
+
+def test_shared_prompt_blocks_are_checked():
+    from areal.engines.varlen_attn import varlen_sdpa_forward
+
+    q, k, v = (torch.randn(1, h, 10, 8) for h in (4, 2, 2))
+    with pytest.raises(ValueError, match="areal_blocks cover 9 tokens"):
+        varlen_sdpa_forward(_Mod(), q, k, v, None, areal_blocks=[(3, (4, 2))])
+    with pytest.raises(ValueError, match="one packed row without a mask"):
+        varlen_sdpa_forward(_Mod(), q, k, v, torch.ones(1, 1, 10, 10), areal_blocks=[(4, (6,))])
