@@ -9,13 +9,19 @@ Invariants:
 - A micro-batch's total length is ``<= max_tokens_per_mb``, except a micro-batch holding a
   single sequence that alone is longer than the budget.
 - The result is deterministic: equal lengths keep their input order (stable sort).
+
+``pack_ffd_shared`` packs prompt groups instead (for rows that carry a shared prompt once,
+``SeqForward`` with ``share_prompts``): a group of sequences with one prompt weighs its prompt
+once plus its outputs, and stays in one micro-batch when it fits the budget; a group over the
+budget is cut into consecutive parts that each fit (each part carries the prompt again).
+Every index still appears exactly once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
-__all__ = ["pack_ffd", "pack_fixed", "padding_fraction"]
+__all__ = ["pack_ffd", "pack_ffd_shared", "pack_fixed", "padding_fraction"]
 
 
 def pack_ffd(lengths: Sequence[int], max_tokens_per_mb: int) -> list[list[int]]:
@@ -41,6 +47,38 @@ def pack_ffd(lengths: Sequence[int], max_tokens_per_mb: int) -> list[list[int]]:
             mbs[best].append(i)
             totals[best] += n
     return mbs
+
+
+def pack_ffd_shared(
+    prompt_keys: Sequence[Hashable],
+    prompt_lens: Sequence[int],
+    output_lens: Sequence[int],
+    max_tokens_per_mb: int,
+) -> list[list[int]]:
+    """``pack_ffd`` over prompt groups: sequence i has prompt ``prompt_keys[i]`` (equal keys =
+    the same prompt, of ``prompt_lens[i]`` tokens) and ``output_lens[i]`` output tokens. A group
+    costs its prompt once; one that does not fit the budget is cut into consecutive parts."""
+    if not len(prompt_keys) == len(prompt_lens) == len(output_lens):
+        raise ValueError("prompt_keys, prompt_lens and output_lens must have the same length")
+    groups: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(prompt_keys):
+        groups.setdefault(key, []).append(i)
+    units: list[list[int]] = []
+    weights: list[int] = []
+    for members in groups.values():
+        p = prompt_lens[members[0]]
+        part: list[int] = []
+        size = p
+        for i in members:
+            if part and size + output_lens[i] > max_tokens_per_mb:
+                units.append(part)
+                weights.append(size)
+                part, size = [], p
+            part.append(i)
+            size += output_lens[i]
+        units.append(part)
+        weights.append(size)
+    return [[i for u in mb for i in units[u]] for mb in pack_ffd(weights, max_tokens_per_mb)]
 
 
 def pack_fixed(n: int, mb_size: int) -> list[list[int]]:

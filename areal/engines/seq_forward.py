@@ -13,7 +13,8 @@ Invariants:
   the seqs with the same prompt (a GRPO group's G samples) carry that prompt once, followed by
   their completions; each completion attends to the prompt and to its own tokens only, so the
   log-probs and gradients are those of the separate sequences while the prompt's tokens go
-  through the model's layers once instead of G times.
+  through the model's layers once instead of G times. Micro-batches then come from
+  ``pack_ffd_shared``, which keeps a group together where the budget allows.
 - ``packing="fixed"``: consecutive chunks of ``fixed_mb_size``, right-padded (the baseline).
 - Only the logits of output positions are computed (``logits_to_keep``) in the packed path.
 - ``logp_and_entropy`` also returns each output position's entropy ``-sum_v p_v log p_v`` of the
@@ -26,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from areal.algo.packing import pack_ffd, pack_fixed
+from areal.algo.packing import pack_ffd, pack_ffd_shared, pack_fixed
 from areal.engines import varlen_attn
 from areal.engines.base import TrainSeq
 
@@ -90,6 +91,13 @@ class SeqForward:
     def micro_batches(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> list[list[int]]:
         if self.packing == "fixed":
             return pack_fixed(len(seqs), self.fixed_mb_size)
+        if self.share_prompts:  # keep a group together: its prompt is then run once
+            return pack_ffd_shared(
+                [_prompt_key(s) for s in seqs],
+                [len(s.prompt_ids) for s in seqs],
+                [len(s.output_ids) for s in seqs],
+                max_tokens_per_mb,
+            )
         return pack_ffd([seq_len(s) for s in seqs], max_tokens_per_mb)
 
     def padded_tokens(self, seqs: list[TrainSeq]) -> int:
@@ -140,7 +148,7 @@ class SeqForward:
         prompt's last position, shared by the block."""
         by_prompt: dict[tuple[int, ...], list[int]] = {}
         for i, s in enumerate(seqs):
-            by_prompt.setdefault(tuple(s.prompt_ids.tolist()), []).append(i)
+            by_prompt.setdefault(_prompt_key(s), []).append(i)
         ids, pos, blocks = [], [], []
         keep: list[torch.Tensor | None] = [None] * len(seqs)
         offset = 0
@@ -204,6 +212,10 @@ class SeqForward:
         with torch.no_grad():
             ent = torch.special.entr(logprobs.detach().exp()).sum(dim=-1)  # [K], entr(0) = 0
         return list(logp.split(sizes)), list(ent.split(sizes))
+
+
+def _prompt_key(s: TrainSeq) -> tuple[int, ...]:
+    return tuple(s.prompt_ids.tolist())
 
 
 def _block_causal_mask(seqs: list[TrainSeq], dtype: torch.dtype) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal.algo.packing import pack_ffd, pack_fixed, padding_fraction
+from areal.algo.packing import pack_ffd, pack_ffd_shared, pack_fixed, padding_fraction
 
 
 def test_ffd_hand_worked() -> None:
@@ -82,3 +82,51 @@ def test_ffd_properties(lengths: list[int], budget: int) -> None:
         total = sum(lengths[i] for i in mb)
         assert total <= budget or (len(mb) == 1 and lengths[mb[0]] > budget)
     assert 0.0 <= padding_fraction(lengths, mbs) < 1.0 or not lengths
+
+
+def shared_cost(mb: list[int], keys: list[int], plens: list[int], olens: list[int]) -> int:
+    """Tokens of a micro-batch whose row carries each distinct prompt once."""
+    return sum(plens[i] for i in {keys[i]: i for i in mb}.values()) + sum(olens[i] for i in mb)
+
+
+def test_ffd_shared_keeps_groups_together() -> None:
+    # two groups of 4 (prompt 10, outputs 5) and one of 2 (prompt 30, outputs 20): 30 + 30 + 70
+    keys = [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
+    plens = [10] * 8 + [30, 30]
+    olens = [5] * 8 + [20, 20]
+    mbs = pack_ffd_shared(keys, plens, olens, 70)
+    assert sorted(sorted(mb) for mb in mbs) == [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9]]
+    # a group over the budget is cut into consecutive parts, each with its prompt
+    mbs = pack_ffd_shared([0] * 6, [10] * 6, [8] * 6, 40)
+    assert sorted(sorted(mb) for mb in mbs) == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(ValueError, match="same length"):
+        pack_ffd_shared([0, 1], [3], [1, 1], 10)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    groups=st.lists(
+        st.tuples(st.integers(1, 40), st.lists(st.integers(0, 60), min_size=1, max_size=9)),
+        max_size=12,
+    ),
+    budget=st.integers(min_value=1, max_value=256),
+)
+def test_ffd_shared_properties(groups: list[tuple[int, list[int]]], budget: int) -> None:
+    keys, plens, olens = [], [], []
+    for k, (p, outs) in enumerate(groups):
+        for t in outs:
+            keys.append(k)
+            plens.append(p)
+            olens.append(t)
+    mbs = pack_ffd_shared(keys, plens, olens, budget)
+    assert sorted(i for mb in mbs for i in mb) == list(range(len(keys)))  # each index once
+    for mb in mbs:
+        assert mb
+        # within budget, unless one prompt + one output alone exceeds it
+        assert shared_cost(mb, keys, plens, olens) <= budget or (
+            len(mb) == 1 and plens[mb[0]] + olens[mb[0]] > budget
+        )
+    # a group that fits the budget as a whole is never split
+    for k, (p, outs) in enumerate(groups):
+        if p + sum(outs) <= budget:
+            assert sum(any(keys[i] == k for i in mb) for mb in mbs) == 1
