@@ -123,7 +123,9 @@ def test_tap_disturbs_nothing(tapped_run):
         it.tm.received_at - last_finished[id(it.tm)] for it in tapped_run.items[S.TRAJECTORIES]
     )
     assert lags[0] > -0.05, lags[:5]  # same host clock
-    assert lags[-1] < 1.0, lags[-5:]
+    # typically milliseconds; the bound is loose so a loaded machine that deschedules the tap
+    # or the worker for a while does not fail it, yet a group held back is still caught
+    assert lags[-1] < 5.0, lags[-5:]
 
 
 def test_plot_on_the_real_run_dir(tapped_run, capsys):
