@@ -1,4 +1,5 @@
-"""Engine benchmark: continuous batching vs HF generate, FFD packing vs fixed micro-batches.
+"""Engine benchmark: continuous batching vs HF generate, FFD packing vs fixed micro-batches,
+shared prompts on vs off.
 
 (a) Inference on a LONG-TAILED batch: 64 prompts (8-24 random tokens) on a randomly initialised
     built-in tiny Qwen2 (`build_tiny_model`, context widened to 1024), no stop token, and a
@@ -14,6 +15,9 @@
     padding-free) vs `packing="fixed"` (consecutive chunks of `fixed_mb_size`, right-padded);
     tokens/s = real tokens / step time (the step includes the proximal log-prob pass), padding
     from the step's `padding_frac`.
+(c) Training with shared prompts: GRPO-shaped batches (16 prompts x 8 samples, short and long
+    prompts), `train_step` with `share_prompts` on vs off (a group's prompt run once per
+    micro-batch vs once per sample).
 
     python bench/engine.py [--quick]
 
@@ -190,6 +194,54 @@ def bench_training(model_dir: Path, reps: int, rng: np.random.Generator, vocab: 
     return res
 
 
+SHARED_SHAPES = {  # name -> (prompt tokens, output tokens low, high); 16 prompts x 8 samples
+    "short prompts (6), outputs 1-6": (6, 1, 6),
+    "long prompts (64), outputs 8-64": (64, 8, 64),
+}
+
+
+def bench_shared_prompts(model_dir: Path, reps: int, rng: np.random.Generator, vocab: int) -> dict:
+    """(c) GRPO-shaped batches (16 prompts x 8 samples): `share_prompts` on vs off."""
+    from areal.engines.base import TrainSeq
+    from areal.engines.config import TrainEngineConfig
+    from areal.engines.torch_train import TorchTrainEngine
+
+    engines = {
+        on: TorchTrainEngine(
+            TrainEngineConfig(
+                kind="torch", model_path=str(model_dir), n_minibatches=2, lr=1e-5, share_prompts=on
+            )
+        )
+        for on in (True, False)
+    }
+    res: dict = {}
+    for name, (p, lo, hi) in SHARED_SHAPES.items():
+        seqs = []
+        for _ in range(16):
+            prompt = torch.as_tensor(rng.integers(3, vocab, p))
+            for _ in range(8):
+                n = int(rng.integers(lo, hi + 1))
+                seqs.append(
+                    TrainSeq(
+                        prompt_ids=prompt.clone(),
+                        output_ids=torch.as_tensor(rng.integers(3, vocab, n)),
+                        behav_logp=torch.full((n,), -float(np.log(vocab))),
+                        versions=torch.zeros(n, dtype=torch.long),
+                        adv=float(rng.choice([-1.0, 1.0])),
+                    )
+                )
+        outs = sum(len(x.output_ids) for x in seqs)
+        res[name] = {"tokens": {True: 16 * p + outs, False: 128 * p + outs}, True: [], False: []}
+        for eng in engines.values():
+            eng.train_step([replace(x) for x in seqs[:16]], 4096)  # warm-up
+        for rep in range(reps):
+            for on in (True, False) if rep % 2 == 0 else (False, True):
+                st = engines[on].train_step([replace(x) for x in seqs], 4096)
+                res[name][on].append(st["time_s"])
+                print(f"  shared prompts {on!s:<5} {name}, rep {rep}: {st['time_s']:.3f} s")
+    return res
+
+
 # ------------------------------------------------------------------------------- report
 def plot(path: Path, inf: dict, train: dict) -> None:
     import matplotlib
@@ -256,6 +308,8 @@ def main() -> int:
         inf = bench_inference(model_dir, reps, rng, vocab)
         print("training ...", flush=True)
         train = bench_training(model_dir, reps, rng, vocab)
+        print("shared prompts ...", flush=True)
+        shared = bench_shared_prompts(model_dir, reps, rng, vocab)
 
     rows = []
     for name, r in inf.items():
@@ -296,6 +350,28 @@ def main() -> int:
     train_table = md_table(
         ["packing", "real tokens/s", "padding_frac", "micro-batches / step", "step s"], rows
     )
+    rows = []
+    for name, r in shared.items():
+        on, off = median(r[True]), median(r[False])
+        rows.append(
+            [
+                name,
+                f"{r['tokens'][True]} / {r['tokens'][False]}",
+                f"{on:.3f} ({min(r[True]):.3f})",
+                f"{off:.3f} ({min(r[False]):.3f})",
+                f"**{off / on:.2f}x**",
+            ]
+        )
+    shared_table = md_table(
+        [
+            "batch (16 prompts x 8 samples)",
+            "tokens run, on / off",
+            "step s, on",
+            "step s, off",
+            "speed-up",
+        ],
+        rows,
+    )
     text = (
         "## (a) Inference: continuous batching vs HF generate\n\n"
         "Useful tokens = each request's own length, for both engines (HF decodes every row to "
@@ -309,7 +385,16 @@ def main() -> int:
         + "\n\n## (b) Training: dynamic micro-batching vs fixed micro-batches\n\n"
         f"64 sequences (prompt 16 + output), lengths {dist(train['lengths'])}; "
         "`TorchTrainEngine.train_step` (n_minibatches 2, proximal log-prob recompute "
-        f"included). ffd / fixed tokens/s: **{speedup:.2f}x**.\n\n" + train_table + "\n"
+        f"included). ffd / fixed tokens/s: **{speedup:.2f}x**.\n\n"
+        + train_table
+        + "\n"
+        + "\n## (c) Training: shared prompts (`train.share_prompts`) on vs off\n\n"
+        "GRPO-shaped batches: 16 random prompts, 8 samples each (output lengths uniform in the "
+        "range), one `train_step` (n_minibatches 2, ffd, max_tokens_per_mb 4096). On, each "
+        "prompt goes through the model once per micro-batch, not once per sample; the log-probs "
+        "and gradients are the same (tests/unit/engines/test_torch_train.py).\n\n"
+        + shared_table
+        + "\n"
     )
     print(text, flush=True)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
