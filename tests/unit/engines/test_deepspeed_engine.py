@@ -88,9 +88,21 @@ def _rank_main(rank: int, world: int, port: int, job: dict, out: str) -> None:
         result = SCENARIOS[job["scenario"]](job)
         if rank == 0:
             torch.save(result, Path(out) / "result.pt")
+        _leave_group()
     except BaseException:
         (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
+
+
+def _leave_group() -> None:
+    """Tear the process group down before the interpreter exits: left to exit-time destructors,
+    gloo's threads can still be joinable and the rank aborts ("terminate called without an
+    active exception", exit code -6) after its work is done."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _ds_engine(job: dict, **kw):
