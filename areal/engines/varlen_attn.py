@@ -72,8 +72,7 @@ def varlen_sdpa_forward(
             raise ValueError(
                 "areal_blocks (shared prompts) need one packed row without a mask or a cache"
             )
-        blocks = tuple((int(p), tuple(int(t) for t in ts)) for p, ts in blocks)
-        total = sum(p + sum(ts) for p, ts in blocks)
+        total = sum(int(p) + sum(ts) for p, ts in blocks)
         if total != query.shape[2]:
             raise ValueError(
                 f"areal_blocks cover {total} tokens but the packed row has {query.shape[2]}"
