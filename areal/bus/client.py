@@ -75,9 +75,14 @@ Sk = TypeVar("Sk", bound=WeightsSink)
 # (tests/e2e/test_cluster.py): our publish gets no responders, nats-py's `js.publish` (KV
 # puts, object-store chunks) `NoStreamResponseError`, other JetStream API calls and
 # object-store puts/gets time out.
+# what a server restart, a reconnect or a leader election answers; an op that got one is
+# retried (`Bus._through_outage`). ServiceUnavailableError is JetStream's 503, and also what
+# nats-py's JetStream API requests (stream info, message get: the KV reads, the latest
+# weights) raise for "no responders", e.g. while a cluster elects a stream leader
 TRANSIENT_ERRORS = (
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,
+    ServiceUnavailableError,
     nats.js.errors.NoStreamResponseError,
     nats.errors.ConnectionReconnectingError,
     nats.errors.StaleConnectionError,
@@ -224,7 +229,7 @@ class Bus:
             try:
                 await declare_run(self._js, self.names, self.settings)
                 return
-            except (*TRANSIENT_ERRORS, ServiceUnavailableError) as e:  # 503: an election
+            except TRANSIENT_ERRORS as e:  # no answer, or a 503: an election
                 if self._denials.any():  # a refused call gets no answer: say which, not "timeout"
                     raise self._denials.error(self._denials.last()) from None
                 why = f"the NATS server did not answer ({type(e).__name__}): is it up?"

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +62,9 @@ RUN_ARTIFACTS = run_dir.RUN_ARTIFACTS  # kept importable from here
 NATS_KEYS_SUBDIR = "keys/nats"  # under --out: the embedded server's per-role credentials
 Supervision = Literal["finished", "ignore", "restart", "restart_free", "give_up", "config_error"]
 HEALTHY_S = 300.0  # a worker up this long before it exits has its restart budget back
+CAUSE_LINES, CAUSE_CHARS = 200, 300  # where the restart warning looks for the cause; its length
+# the last line of a Python traceback: the exception's (qualified) type, then its message
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Lost|Held)\b")
 MAX_OUTAGE_RESTARTS = 20  # restarts after outages (not counted in max_restarts), per worker
 TRAINER = "trainer-0"  # the trainer's worker id (rank 0 of its group when train.nproc > 1)
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -277,6 +281,25 @@ class Launcher:
         lines = [ln for ln in self._log_tail(wid, 5).splitlines() if ln.strip()]
         return lines[-1] if lines else "(no output)"
 
+    def _cause(self, wid: str) -> str:
+        """What ended worker `wid`, for the restart warning: the last exception in the end of
+        its log (type and message, from a console traceback or a JSON line's `exception`), else
+        its last line."""
+        try:
+            tail = self._log_tail(wid, CAUSE_LINES).splitlines()
+        except OSError:
+            return "(no log)"
+        for line in reversed(tail):
+            if line.startswith("{"):
+                with contextlib.suppress(ValueError, AttributeError):
+                    exc = json.loads(line).get("exception")
+                    if exc and exc.strip():
+                        return exc.strip().splitlines()[-1][:CAUSE_CHARS]
+            elif EXCEPTION_LINE.match(line):
+                return line[:CAUSE_CHARS]
+        lines = [ln for ln in tail if ln.strip()]
+        return lines[-1][:CAUSE_CHARS] if lines else "(no output)"
+
     def _supervise(self) -> int | None:
         """One pass over the server and the workers: the run's exit code once it is decided,
         else None."""
@@ -322,7 +345,11 @@ class Launcher:
                 # from its checkpoint, the controller from its KV cursor
                 self.restarts[wid] = restarts + 1
                 log.warning(
-                    "worker_restarted", worker=wid, exit_code=returncode, restarts=restarts + 1
+                    "worker_restarted",
+                    worker=wid,
+                    exit_code=returncode,
+                    restarts=restarts + 1,
+                    cause=self._cause(wid),
                 )
                 self._start(wid)
         return None

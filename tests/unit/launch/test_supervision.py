@@ -79,3 +79,49 @@ def test_a_healthy_period_gives_the_restart_budget_back(monkeypatch, tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "reward-0.log").write_text("boom\n")
     assert launcher._supervise() == 1
+
+
+CONSOLE_LOG = """\
+2026-12-03T16:39:28.020374Z [info     ] controller_started             admitted=0
+2026-12-03T16:39:36.9Z [error    ] worker_failed                  role=controller
+Traceback (most recent call last):
+  File "/x/areal/launch/worker.py", line 340, in _run
+    await lock.serve(spec.build(parts, bus).run(stop), stop)
+nats.js.errors.ServiceUnavailableError: nats: ServiceUnavailableError: code=None
+2026-12-03T16:39:37.0Z [info     ] worker_stopped                 role=controller
+"""
+JSON_LOG = (
+    '{"event": "worker_failed", "level": "error", "exception": "Traceback (most recent call '
+    'last):\\n  File \\"x.py\\", line 1, in f\\nValueError: bad row 7\\n"}\n'
+    '{"event": "worker_stopped", "level": "info"}\n'
+)
+
+
+@pytest.mark.parametrize(
+    "log_text, cause",
+    [
+        (CONSOLE_LOG, "nats.js.errors.ServiceUnavailableError: nats: ServiceUnavailableError"),
+        (JSON_LOG, "ValueError: bad row 7"),
+        ("2026-12-03T16:39:28Z [info ] a\nkilled by the OOM killer\n", "killed by the OOM killer"),
+        ("", "(no output)"),
+        (None, "(no log)"),
+    ],
+    ids=["console", "json", "no-exception", "empty", "no-log"],
+)
+def test_a_restart_warning_names_the_cause_from_the_workers_log(tmp_path, log_text, cause):
+    from structlog.testing import capture_logs
+
+    from areal.config import load_settings
+    from areal.launch.local import Launcher
+
+    launcher = Launcher(load_settings(None, [f"out_dir={tmp_path}"]), max_restarts=3)
+    launcher._start = lambda wid: None  # type: ignore[method-assign]
+    if log_text is not None:
+        (tmp_path / "logs").mkdir()
+        (tmp_path / "logs" / "controller-0.log").write_text(log_text)
+    launcher.procs["controller-0"] = _Exited(1)
+    with capture_logs() as logs:
+        assert launcher._supervise() is None
+    [warning] = [e for e in logs if e["event"] == "worker_restarted"]
+    assert warning["worker"] == "controller-0" and warning["exit_code"] == 1
+    assert warning["cause"].startswith(cause)

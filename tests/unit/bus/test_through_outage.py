@@ -1,0 +1,79 @@
+"""`Bus._through_outage`: which failures are an outage (retried until the op goes through, or
+`BusUnavailable` after `nats.outage_tolerance_s`) and which are answers (raised at once).
+
+A JetStream API request that finds no responders, as while a cluster elects the leader of the
+run-state bucket, raises nats-py's `ServiceUnavailableError` (its 503), not
+`NoRespondersError`: it must be ridden out like the others, not end the worker."""
+
+from __future__ import annotations
+
+import types
+
+import nats.errors
+import nats.js.errors
+import pytest
+
+from areal.bus.client import Bus
+from areal.bus.errors import BusUnavailable
+from areal.config import NatsSettings
+
+
+def _bus(tolerance_s: float = 30.0) -> types.SimpleNamespace:
+    """The two attributes `_through_outage` reads, without a server."""
+    denials = types.SimpleNamespace(denied=lambda subject: False)
+    return types.SimpleNamespace(
+        settings=NatsSettings(outage_tolerance_s=tolerance_s), _denials=denials
+    )
+
+
+def _failing(n: int, error: BaseException):
+    calls = []
+
+    async def op() -> str:
+        calls.append(1)
+        if len(calls) <= n:
+            raise error
+        return "done"
+
+    return op, calls
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        nats.js.errors.ServiceUnavailableError(),  # a JetStream API request: no responders
+        nats.js.errors.ServiceUnavailableError(code=503, description="JetStream unavailable"),
+        nats.errors.NoRespondersError(),
+        nats.errors.TimeoutError(),
+        nats.js.errors.NoStreamResponseError(),
+        nats.errors.ConnectionReconnectingError(),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+async def test_an_outage_answer_is_retried_until_the_op_goes_through(error):
+    op, calls = _failing(2, error)
+    assert await Bus._through_outage(_bus(), op, "reading 'trainer'") == "done"
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        nats.js.errors.BadRequestError(code=400, description="bad request"),
+        nats.js.errors.NotFoundError(code=404, description="stream not found"),
+        ValueError("a bug"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+async def test_an_answer_that_is_no_outage_is_raised_at_once(error):
+    op, calls = _failing(1, error)
+    with pytest.raises(type(error)):
+        await Bus._through_outage(_bus(), op, "reading 'trainer'")
+    assert len(calls) == 1
+
+
+async def test_an_outage_longer_than_the_tolerance_is_bus_unavailable_naming_the_op():
+    op, calls = _failing(10**6, nats.js.errors.ServiceUnavailableError())
+    with pytest.raises(BusUnavailable, match=r"reading 'trainer'.*ServiceUnavailableError"):
+        await Bus._through_outage(_bus(tolerance_s=0.5), op, "reading 'trainer'")
+    assert len(calls) >= 2
