@@ -297,8 +297,11 @@ class Bus:
         return self._nc.stats["reconnects"]
 
     async def stream_depth(self, stream: str) -> int:
-        """Messages currently stored in the run's stream `stream` (e.g. `S.DLQ`)."""
-        return (await self._js.stream_info(self.names.stream(stream))).state.messages
+        """Messages currently stored in the run's stream `stream` (e.g. `S.DLQ`); rides through a
+        server outage (`_through_outage`)."""
+        name = self.names.stream(stream)
+        info = await self._through_outage(lambda: self._js.stream_info(name), f"reading {name}")
+        return info.state.messages
 
     async def subscribe_events(
         self, kind: str, cb: Callable[[Event], Awaitable[None]]
