@@ -77,3 +77,22 @@ async def test_an_outage_longer_than_the_tolerance_is_bus_unavailable_naming_the
     with pytest.raises(BusUnavailable, match=r"reading 'trainer'.*ServiceUnavailableError"):
         await Bus._through_outage(_bus(tolerance_s=0.5), op, "reading 'trainer'")
     assert len(calls) >= 2
+
+
+async def test_a_jetstream_request_nobody_answers_is_an_outage_not_a_crash(nats_url):
+    """With a real server: a JetStream API request that finds no responders (here under an API
+    prefix no server serves, as a stream's requests find while its cluster elects a leader) is
+    what nats-py raises as `ServiceUnavailableError`; ridden out, it ends as `BusUnavailable`."""
+    import nats
+
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream(prefix="$AREAL_NOBODY.API")
+        with pytest.raises(nats.js.errors.ServiceUnavailableError):
+            await js.stream_info("any")
+        with pytest.raises(BusUnavailable, match="ServiceUnavailableError"):
+            await Bus._through_outage(
+                _bus(tolerance_s=0.5), lambda: js.stream_info("any"), "reading the stream"
+            )
+    finally:
+        await nc.close()
