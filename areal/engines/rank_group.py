@@ -301,12 +301,30 @@ class RankZeroEngine:
             if self._closed:
                 return
             self._closed = True
+            stopped = False
             if self.lost is None:
                 try:
                     _broadcast(_Call(_STOP, rc=rc))
+                    stopped = True
                 except Exception as e:  # a follower died meanwhile: it exits on its own
                     log.warning("rank_group_stop_failed", error=str(e)[:300])
         self._pinger.join(timeout=5.0)
+        if stopped:
+            leave_group()
+
+
+def leave_group() -> None:
+    """Leave the process group once every rank got the stop call (a barrier, then destroy):
+    a rank that exits with its gloo group still up can abort in exit-time teardown
+    (SIGABRT, "terminate called without an active exception") after its work is done. Best
+    effort: a peer gone meanwhile only costs the barrier's error, logged."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception as e:  # a peer died after the stop call: exit as planned all the same
+        log.warning("rank_group_leave_failed", error=f"{type(e).__name__}: {e}"[:300])
 
 
 def follow(engine: Any) -> int:

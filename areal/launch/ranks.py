@@ -135,7 +135,7 @@ def follow_main(
         _exit_now(EXIT_RANK_FAILED)
     import torch.distributed as dist
 
-    from areal.engines.rank_group import follow
+    from areal.engines.rank_group import follow, leave_group
 
     log.info("trainer_rank_following", rank=rank, world_size=dist.get_world_size())
     try:
@@ -144,7 +144,7 @@ def follow_main(
         log.error("trainer_rank_failed", rank=rank, error=f"{type(e).__name__}: {e}"[:500])
         _exit_now(EXIT_RANK_FAILED)
     log.info("trainer_rank_stopped", rank=rank, exit_code=rc)
-    dist.destroy_process_group()
+    leave_group()
     return rc
 
 

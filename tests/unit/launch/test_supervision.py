@@ -3,6 +3,8 @@ never restarted, crashes are restarted a bounded number of times."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from areal.launch.local import MAX_OUTAGE_RESTARTS, on_worker_exit
@@ -108,20 +110,26 @@ JSON_LOG = (
     ],
     ids=["console", "json", "no-exception", "empty", "no-log"],
 )
-def test_a_restart_warning_names_the_cause_from_the_workers_log(tmp_path, log_text, cause):
-    from structlog.testing import capture_logs
-
+def test_a_restart_warning_names_the_cause_from_the_workers_log(
+    monkeypatch, tmp_path, log_text, cause
+):
     from areal.config import load_settings
+    from areal.launch import local
     from areal.launch.local import Launcher
 
+    warnings: list[tuple[str, dict]] = []
+    # the module's logger itself: structlog caches loggers once configured, which
+    # `structlog.testing.capture_logs` cannot reach after another test configured logging
+    monkeypatch.setattr(
+        local, "log", SimpleNamespace(warning=lambda e, **kw: warnings.append((e, kw)))
+    )
     launcher = Launcher(load_settings(None, [f"out_dir={tmp_path}"]), max_restarts=3)
     launcher._start = lambda wid: None  # type: ignore[method-assign]
     if log_text is not None:
         (tmp_path / "logs").mkdir()
         (tmp_path / "logs" / "controller-0.log").write_text(log_text)
     launcher.procs["controller-0"] = _Exited(1)
-    with capture_logs() as logs:
-        assert launcher._supervise() is None
-    [warning] = [e for e in logs if e["event"] == "worker_restarted"]
+    assert launcher._supervise() is None
+    [warning] = [kw for e, kw in warnings if e == "worker_restarted"]
     assert warning["worker"] == "controller-0" and warning["exit_code"] == 1
     assert warning["cause"].startswith(cause)
