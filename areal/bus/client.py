@@ -74,11 +74,9 @@ Sk = TypeVar("Sk", bound=WeightsSink)
 # in a 3-node cluster after a SIGKILL of a stream's leader, for ~5 s until the election ends
 # (tests/e2e/test_cluster.py): our publish gets no responders, nats-py's `js.publish` (KV
 # puts, object-store chunks) `NoStreamResponseError`, other JetStream API calls and
-# object-store puts/gets time out.
-# what a server restart, a reconnect or a leader election answers; an op that got one is
-# retried (`Bus._through_outage`). ServiceUnavailableError is JetStream's 503, and also what
-# nats-py's JetStream API requests (stream info, message get: the KV reads, the latest
-# weights) raise for "no responders", e.g. while a cluster elects a stream leader
+# object-store puts/gets time out. And nats-py raises `ServiceUnavailableError` (JetStream's 503)
+# for a JetStream API request that finds no responders (stream info, message get: the KV reads,
+# the latest weights): once seen ending a controller in that test's CI run.
 TRANSIENT_ERRORS = (
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,
