@@ -88,21 +88,12 @@ def _rank_main(rank: int, world: int, port: int, job: dict, out: str) -> None:
         result = SCENARIOS[job["scenario"]](job)
         if rank == 0:
             torch.save(result, Path(out) / "result.pt")
-        _leave_group()
+        from areal.engines.rank_group import leave_group
+
+        leave_group()  # before exit: a rank left to exit-time gloo teardown can abort (-6)
     except BaseException:
         (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
-
-
-def _leave_group() -> None:
-    """Tear the process group down before the interpreter exits: left to exit-time destructors,
-    gloo's threads can still be joinable and the rank aborts ("terminate called without an
-    active exception", exit code -6) after its work is done."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def _ds_engine(job: dict, **kw):
