@@ -17,7 +17,10 @@ Modes:
   role (the OS spreads each phase's processes over both cores);
 - sync-pinned: the same schedule with the async core split;
 - async η in {1, 4, 8} x interruptible on/off x packing ffd/fixed (the default matrix; `--subset`
-  keeps η in {1, 4, 8} with interruptible+ffd plus the η=4 on/off x ffd/fixed square).
+  keeps η in {1, 4, 8} with interruptible+ffd plus the η=4 on/off x ffd/fixed square);
+- async-η1-int-ffd-unpinned: η = 1 as plain `areal run` starts it (no pinning, 1 thread per
+  role); async-η1-int-ffd-others-rollout: η = 1 pinned, with the other processes on the
+  rollout's core whatever `--others-core` says.
 Async (and sync-pinned) runs give the rollout core 0 and the trainer core 1; the controller,
 reward, launcher and nats-server go on the trainer's core (`--others-core trainer`, default: the
 rollout is the busier role) or the rollout's. Every thread is pinned with `os.sched_setaffinity`,
@@ -84,18 +87,34 @@ class Mode:
     packing: str
     pinned: bool
     threads: int = 1
+    others: str | None = None  # pinned modes: "trainer" / "rollout" core; None: --others-core
     overrides: list[str] = field(default_factory=list)
 
     @property
     def sync(self) -> bool:
         return self.eta == 0
 
+    def others_cores(self) -> set[int]:
+        """Cores of the controller, reward, launcher and nats-server in this mode."""
+        if not self.pinned:
+            return set(range(os.cpu_count() or 1))
+        if self.others is None:
+            return OTHERS_CORE
+        return TRAINER_CORE if self.others == "trainer" else ROLLOUT_CORE
+
+    def cores_short(self) -> str:
+        if not self.pinned:
+            return f"shared, {self.threads} thr"
+        return "pinned 1+1" + (
+            ", others on rollout's" if self.others_cores() == ROLLOUT_CORE else ""
+        )
+
     def cores(self) -> str:
         if not self.pinned:
             return f"all {os.cpu_count()} (no pinning), torch {self.threads} threads per role"
         return (
             f"rollout -> core {min(ROLLOUT_CORE)}, trainer -> core {min(TRAINER_CORE)}, "
-            f"controller/reward/launcher/nats -> core {min(OTHERS_CORE)}"
+            f"controller/reward/launcher/nats -> core {min(self.others_cores())}"
         )
 
 
@@ -112,6 +131,12 @@ def build_modes(subset: bool) -> list[Mode]:
                     continue
                 tag = f"async-η{eta}-{'int' if inter else 'noint'}-{packing}"
                 modes.append(Mode(tag, eta, inter, packing, pinned=True))
+    # η = 1 placed otherwise: as plain `areal run` starts it (no pinning), and pinned with the
+    # controller, reward, launcher and nats-server on the rollout's core instead of the trainer's
+    modes.append(Mode("async-η1-int-ffd-unpinned", 1, True, "ffd", pinned=False))
+    modes.append(
+        Mode("async-η1-int-ffd-others-rollout", 1, True, "ffd", pinned=True, others="rollout")
+    )
     for m in modes:
         m.overrides = [
             *LONG_WORKLOAD,
@@ -158,7 +183,7 @@ def row(m: Mode, r: RunResult, target: float | None) -> list[object]:
         m.eta,
         "on" if m.interruptible else "off",
         m.packing,
-        "pinned 1+1" if m.pinned else f"shared, {m.threads} thr",
+        m.cores_short(),
         f"{r.wall_s:.1f}",
         f"{r.samples / r.wall_s:.0f}",
         f"{r.tokens / r.wall_s:.0f}",
@@ -285,8 +310,8 @@ def main() -> int:
         for m in modes:
             run_id = f"avs-{m.name.replace('η', 'e')}-{int(time.time())}"
             print(f"\n[{m.name}] cores: {m.cores()}; load {cpu_load()}", flush=True)
-            pinning = pin_roles(ROLLOUT_CORE, TRAINER_CORE, OTHERS_CORE) if m.pinned else None
-            pin_pid(server.proc.pid, OTHERS_CORE if m.pinned else set(range(os.cpu_count() or 1)))
+            pinning = pin_roles(ROLLOUT_CORE, TRAINER_CORE, m.others_cores()) if m.pinned else None
+            pin_pid(server.proc.pid, m.others_cores())
             r = run_areal(
                 m.name, CONFIG, Path(tmp) / run_id, server.url, run_id, m.overrides, pinning
             )

@@ -1,0 +1,121 @@
+"""Pool `bench/async_vs_sync.py` runs over seeds: time to target and accuracy, per seed and overall.
+
+One seed's time to target is the crossing time of a slowly rising, noisy reward curve, so one
+seed says little (2.63x and 1.34x for seeds 0 and 1 at `93d1fad`). This reads the `.md` report
+each seed's run wrote (`--tag _sN`), takes per seed the fastest synchronous mode (least wall
+time, as the bench's own headline does) and each async mode in it, and prints per seed: the
+sync mode, its time to the seed's target, each async mode's, their ratio, the samples/s ratio
+and the eval difference; then per async mode the median and the range of the ratios over seeds
+and the mean eval difference with its standard error.
+
+    python bench/async_vs_sync_seeds.py bench/results/async_vs_sync_s*.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE), str(_HERE.parent)]
+
+from _common import md_table  # noqa: E402
+
+
+def read_table(path: Path) -> dict[str, dict[str, str]]:
+    """The report's mode table: mode name -> column -> cell."""
+    lines = path.read_text().splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("| mode |")), None)
+    if start is None:
+        raise SystemExit(f"{path}: no '| mode |' table (not an async_vs_sync report?)")
+    cols = [c.strip() for c in lines[start].strip("|").split("|")]
+    rows: dict[str, dict[str, str]] = {}
+    for ln in lines[start + 2 :]:
+        if not ln.startswith("|"):
+            break
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        rows[cells[0]] = dict(zip(cols, cells, strict=True))
+    return rows
+
+
+def seed_of(path: Path) -> str:
+    m = re.search(r"--seed (\d+)", path.read_text())
+    return m.group(1) if m else path.stem
+
+
+def num(cell: str) -> float | None:
+    try:
+        return float(cell)
+    except ValueError:  # "n/r", "-", "FAILED ..."
+        return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("reports", nargs="+", type=Path, help="async_vs_sync*.md, one per seed")
+    args = ap.parse_args()
+    per_seed, ratios, evals = [], {}, {}
+    for path in args.reports:
+        table = read_table(path)
+        syncs = {n: r for n, r in table.items() if n.startswith("sync") and num(r["wall s"])}
+        if not syncs:
+            print(f"{path}: no finished sync mode; skipped")
+            continue
+        sname, s = min(syncs.items(), key=lambda kv: float(kv[1]["wall s"]))
+        s_ttt, s_eval, s_sps = num(s["t→target s"]), num(s["eval reward"]), num(s["samples/s"])
+        for name, r in table.items():
+            if name.startswith("sync") or num(r["wall s"]) is None:
+                continue
+            a_ttt, a_eval, a_sps = num(r["t→target s"]), num(r["eval reward"]), num(r["samples/s"])
+            ratio = s_ttt / a_ttt if s_ttt and a_ttt else None
+            d_eval = a_eval - s_eval if a_eval is not None and s_eval is not None else None
+            if ratio is not None:
+                ratios.setdefault(name, []).append(ratio)
+            if d_eval is not None:
+                evals.setdefault(name, []).append(d_eval)
+            per_seed.append(
+                [
+                    seed_of(path),
+                    f"{sname}, {s['wall s']} s",
+                    s["t→target s"],
+                    s["eval reward"],
+                    name,
+                    r["t→target s"],
+                    f"**{ratio:.2f}x**" if ratio else "n/a",
+                    f"{a_sps / s_sps:.2f}x" if a_sps and s_sps else "n/a",
+                    r["eval reward"],
+                    f"{d_eval:+.3f}" if d_eval is not None else "n/a",
+                ]
+            )
+    header = [
+        "seed",
+        "fastest sync",
+        "sync t→target s",
+        "sync eval",
+        "async mode",
+        "async t→target s",
+        "time-to-target",
+        "samples/s",
+        "async eval",
+        "eval diff",
+    ]
+    print(md_table(header, per_seed))
+    print()
+    for name, rs in ratios.items():
+        ev = evals.get(name, [])
+        se = statistics.stdev(ev) / math.sqrt(len(ev)) if len(ev) > 1 else float("nan")
+        print(
+            f"- {name} over {len(rs)} seeds: time to target {statistics.median(rs):.2f}x "
+            f"(median; {min(rs):.2f}x-{max(rs):.2f}x, {sum(r >= 1.8 for r in rs)} of {len(rs)} "
+            f"seeds at 1.8x or more); eval difference async - sync "
+            f"{statistics.mean(ev):+.3f} ± {se:.3f} (mean ± SE)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
