@@ -107,12 +107,13 @@ def main() -> int:
     print()
     for name, rs in ratios.items():
         ev = evals.get(name, [])
-        se = statistics.stdev(ev) / math.sqrt(len(ev)) if len(ev) > 1 else float("nan")
+        se = f" ± {statistics.stdev(ev) / math.sqrt(len(ev)):.3f}" if len(ev) > 1 else ""
+        diff = f"{statistics.mean(ev):+.3f}{se} (mean ± SE)" if ev else "n/a"
+        seeds = f"{len(rs)} seed{'s' if len(rs) > 1 else ''}"
         print(
-            f"- {name} over {len(rs)} seeds: time to target {statistics.median(rs):.2f}x "
+            f"- {name} over {seeds}: time to target {statistics.median(rs):.2f}x "
             f"(median; {min(rs):.2f}x-{max(rs):.2f}x, {sum(r >= 1.8 for r in rs)} of {len(rs)} "
-            f"seeds at 1.8x or more); eval difference async - sync "
-            f"{statistics.mean(ev):+.3f} ± {se:.3f} (mean ± SE)"
+            f"at 1.8x or more); eval difference async - sync {diff}"
         )
     return 0
 

@@ -1,0 +1,90 @@
+"""`bench/async_vs_sync_seeds.py`: per-seed time-to-target ratios against the fastest sync mode,
+pooled over the reports `bench/async_vs_sync.py` writes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path[:0] = [str(BENCH)]
+
+from async_vs_sync_seeds import read_table  # noqa: E402
+
+COLS = "| mode | wall s | samples/s | t→target s | eval reward |"
+
+
+def report(seed: int, rows: list[str]) -> str:
+    return "\n".join(
+        [
+            "# Asynchronous vs synchronous RL",
+            "",
+            f"- command: `python bench/async_vs_sync.py --seed {seed} --tag _s{seed}`",
+            "",
+            COLS,
+            "|---|---|---|---|---|",
+            *rows,
+            "",
+            "Headline ...",
+        ]
+    )
+
+
+def test_read_table_takes_the_mode_table_only(tmp_path):
+    p = tmp_path / "r.md"
+    p.write_text(report(0, ["| sync-default | 100.0 | 50 | 40.0 | 0.300 |"]))
+    assert read_table(p) == {
+        "sync-default": {
+            "mode": "sync-default",
+            "wall s": "100.0",
+            "samples/s": "50",
+            "t→target s": "40.0",
+            "eval reward": "0.300",
+        }
+    }
+    (tmp_path / "x.md").write_text("no table here")
+    with pytest.raises(SystemExit, match="no '| mode |' table"):
+        read_table(tmp_path / "x.md")
+
+
+def test_ratios_are_against_each_seeds_fastest_sync_and_pooled(tmp_path):
+    s0 = tmp_path / "s0.md"
+    s0.write_text(
+        report(
+            0,
+            [
+                "| sync-default | 150.0 | 50 | 30.0 | 0.300 |",
+                "| sync-pinned | 100.0 | 75 | 40.0 | 0.250 |",  # fastest by wall: the reference
+                "| async-η1 | 60.0 | 125 | 20.0 | 0.270 |",
+            ],
+        )
+    )
+    s1 = tmp_path / "s1.md"
+    s1.write_text(
+        report(
+            1,
+            [
+                "| sync-default | 90.0 | 80 | 36.0 | 0.310 |",
+                "| async-η1 | 50.0 | 144 | 12.0 | 0.300 |",
+                "| async-η4 | 45.0 | 160 | not reached | 0.200 |",
+            ],
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "async_vs_sync_seeds.py"), str(s0), str(s1)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "| 0 | sync-pinned, 100.0 s | 40.0 | 0.250 | async-η1 | 20.0 | **2.00x** |" in out
+    assert "| 1 | sync-default, 90.0 s | 36.0 | 0.310 | async-η1 | 12.0 | **3.00x** |" in out
+    assert "| async-η4 | not reached | n/a |" in out
+    # median of 2.00x and 3.00x; eval differences +0.020 and -0.010: mean +0.005, SE 0.015
+    assert (
+        "- async-η1 over 2 seeds: time to target 2.50x (median; 2.00x-3.00x, 2 of 2 at 1.8x or "
+        "more); eval difference async - sync +0.005 ± 0.015 (mean ± SE)"
+    ) in out
+    assert "- async-η4" not in out  # never reached the target: no ratio to pool
