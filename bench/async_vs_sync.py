@@ -87,7 +87,7 @@ class Mode:
     packing: str
     pinned: bool
     threads: int = 1
-    others: str | None = None  # pinned modes: "trainer" / "rollout" core; None: --others-core
+    others: set[int] | None = None  # pinned: core of the other processes (None: --others-core)
     overrides: list[str] = field(default_factory=list)
 
     @property
@@ -98,9 +98,7 @@ class Mode:
         """Cores of the controller, reward, launcher and nats-server in this mode."""
         if not self.pinned:
             return set(range(os.cpu_count() or 1))
-        if self.others is None:
-            return OTHERS_CORE
-        return TRAINER_CORE if self.others == "trainer" else ROLLOUT_CORE
+        return self.others or OTHERS_CORE
 
     def cores_short(self) -> str:
         if not self.pinned:
@@ -135,7 +133,7 @@ def build_modes(subset: bool) -> list[Mode]:
     # controller, reward, launcher and nats-server on the rollout's core instead of the trainer's
     modes.append(Mode("async-η1-int-ffd-unpinned", 1, True, "ffd", pinned=False))
     modes.append(
-        Mode("async-η1-int-ffd-others-rollout", 1, True, "ffd", pinned=True, others="rollout")
+        Mode("async-η1-int-ffd-others-rollout", 1, True, "ffd", pinned=True, others=ROLLOUT_CORE)
     )
     for m in modes:
         m.overrides = [
