@@ -196,6 +196,13 @@ class WeightsSettings(_Part):
         "streams out; rollout engines load into their own dtype). float16 overflows past "
         "65504 (a rollout refuses the inf): prefer bfloat16",
     )
+    overlap_max_mib: float = Field(
+        256.0,
+        ge=0,
+        description="weights up to this size on the wire are copied to host memory after each "
+        "step and uploaded while the next step trains (a small model's publish leaves the "
+        "step's critical path); larger ones stream out in line with no copy. 0 = always in line",
+    )
 
     def file_dir(self, out_dir: str) -> str | None:
         """The dir of file:// weights (transport=file), None for the object store."""

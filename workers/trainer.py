@@ -116,6 +116,7 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService | RankZeroService:
         weights_dtype=v.model.dtype,
         wire_dtype=v.weights.wire_dtype,
         weights_dir=v.weights_dir,
+        overlap_publish_max_bytes=int(v.weights.overlap_max_mib * 2**20),
         mask_overlong=v.mask_overlong,
         bounds=Bounds.with_model(
             parts.engine,

@@ -11,6 +11,8 @@ weights, and a rollout worker must not hold it beside the tensors decoded from i
   (`TrainEngine.export_safetensors`): cast per tensor from zero-copy views of `data` (or `data`
   itself when nothing needs a cast). `export_blob(engine, wire_dtype)` picks the better of the
   two: an engine with `export_state_dict()` (`StateDictExport`) never builds a blob at all.
+  `host_copy(blob)` is the opposite trade: the whole blob in one host buffer, so its upload
+  can run while the trainer changes the weights (small models: `TrainerOptions`).
 - `SafetensorsSink(nbytes)` (a `WeightsSink`): the decoder. Each chunk is copied straight into
   the tensor it belongs to, so only the tensors are ever in memory; `state_dict()` hands them
   over as a `FrozenStateDict` (its finiteness is then scanned once: `weights_check`).
@@ -276,6 +278,23 @@ def export_blob(engine: StateDictExport | _ExportsBytes, wire_dtype: str) -> Wei
     if isinstance(engine, StateDictExport):
         return SafetensorsBlob(engine.export_state_dict(), wire_dtype)
     return blob_of_safetensors(engine.export_safetensors(), wire_dtype)
+
+
+def host_copy(blob: WeightsBlob) -> BytesBlob:
+    """`blob`'s bytes, all of them, in one buffer of its own (read once, now): what it streamed
+    from (live tensors) may change afterwards without changing the copy."""
+    buf = bytearray(blob.nbytes)
+    pos = 0
+    for chunk in blob.chunks():
+        mv = memoryview(chunk).cast("B")
+        n = len(mv)
+        if pos + n > len(buf):
+            raise ValueError(f"blob yielded more than its {blob.nbytes} bytes")
+        buf[pos : pos + n] = mv
+        pos += n
+    if pos != len(buf):
+        raise ValueError(f"blob yielded {pos} bytes, not its {blob.nbytes}")
+    return BytesBlob(buf)
 
 
 # ------------------------------------------------------------------ in

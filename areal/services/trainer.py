@@ -6,7 +6,13 @@ accounting); this shell decodes, trains, publishes and acks.
 
 Invariants:
 - per step the order is: train -> publish weights -> KV (version, returned slots) -> step record
-  -> checkpoint -> ack; the controller never sees a version whose weights are not announced;
+  -> checkpoint -> ack; the controller never sees a version whose weights are not announced
+  (the published run state names at most the last announced version);
+- weights up to `overlap_publish_max_bytes` are copied to host memory after the step and
+  uploaded, announced and followed by the run state while the next step trains (the upload
+  touches no live tensor); larger ones stream out in line. Versions go out in order: a step
+  waits for the previous publish before starting its own, and a publish that failed raises
+  there, so the trainer stops one step later at most, with nothing acked past its checkpoint;
 - a retired (stale or filtered) group is announced as a `task_dropped_stale` / `task_filtered`
   event at once; its slot goes back to admission (KV) once a checkpoint covers it, and the
   trainer checkpoints before it waits for more data, so a slot is never held back long;
@@ -37,11 +43,12 @@ from pathlib import Path
 
 import structlog
 
+from areal.bus.blobs import WeightsBlob
 from areal.bus.client import Bus, Lease
 from areal.core.intake import Filed, Group, Intake, IntakePolicy, Retired
 from areal.core.validate import Bounds, check_scored_group
 from areal.engines.base import TrainEngine
-from areal.engines.weights_stream import export_blob, wire_dtype_of
+from areal.engines.weights_stream import export_blob, host_copy, wire_dtype_of
 from areal.services.batches import to_train_seqs
 from areal.services.checkpoints import Checkpointer
 from areal.services.common import BusyMeter, heartbeat_loop
@@ -67,6 +74,9 @@ class TrainerOptions:
     weights_dir: str | None = None  # None: object store; else a shared dir (file:// URIs)
     mask_overlong: bool = False  # samples cut at max_new_tokens get advantage 0 (no gradient)
     bounds: Bounds | None = None  # what a scored sample must fit; None: identity + finiteness
+    # weights up to this many bytes on the wire are published from a host copy while the next
+    # step trains; larger ones stream out in line (no copy). 0: always in line
+    overlap_publish_max_bytes: int = 256 * 2**20
 
 
 class TrainerService:
@@ -89,6 +99,9 @@ class TrainerService:
         )
         self._admitted_seen = 0  # the controller's admitted count, as last read
         self._overdue_seen: set[int] = set()  # overdue seqs already reported
+        self._announced: int | None = None  # newest version whose weights are announced
+        self._publishing: asyncio.Task[None] | None = None  # an overlapped publish in flight
+        self.last_publish_s = 0.0  # export + upload + announce of the last publish that landed
         # tasks this much newer than an open one have ended: the open one is lost or stuck
         self.overdue_horizon = 4 * (opts.intake.max_staleness + 2) * opts.intake.batch_size
 
@@ -176,7 +189,12 @@ class TrainerService:
         return None
 
     async def _publish_state(self) -> None:
-        await self.bus.kv_put(TRAINER_KEY, self.intake.kv_state())
+        """The run state for admission; its version is at most the last announced one (a
+        checkpoint can land while the weights of the step it covers are still uploading)."""
+        kv = self.intake.kv_state()
+        if self._announced is not None and kv.version > self._announced:
+            kv.version = self._announced
+        await self.bus.kv_put(TRAINER_KEY, kv)
 
     async def _report_retired(self, retired: list[Retired], **detail: str) -> None:
         for r in retired:
@@ -212,8 +230,7 @@ class TrainerService:
         if skipped:
             log.error("step_skipped", step=self.intake.state.step, reason="non-finite loss/grad")
             await self.bus.event("step_skipped", step=self.intake.state.step)
-        publish_s = await self._publish_weights()
-        await self._publish_state()
+        await self._publish_weights()
         rec = self.intake.step_record(
             info,
             trained_on_version=trained_on,
@@ -221,7 +238,7 @@ class TrainerService:
             timings={
                 "train_s": train_s,
                 "wait_s": wait_s,
-                "weights_publish_s": publish_s,
+                "weights_publish_s": self.last_publish_s,
                 "checkpoint_s": self.checkpoints.last_write_s,
                 "trainer_idle_frac": 1 - self.meter.busy_frac(),
             },
@@ -257,20 +274,35 @@ class TrainerService:
         ctrl = await self.bus.kv_get(CONTROLLER_KEY, ControllerState)
         return ctrl.admitted if ctrl is not None else 0
 
-    async def _publish_weights(self) -> float:
-        """Export and stream the weights out (cast to the wire dtype one tensor at a time, the
-        blob never whole in memory: `weights_stream.export_blob`), then announce them."""
+    async def _publish_weights(self) -> None:
+        """Export the weights just trained, then store and announce them and publish the run
+        state: in a task that overlaps the next step when they fit `overlap_publish_max_bytes`
+        (from a host copy), else in line, streamed (cast to the wire dtype one tensor at a time,
+        the blob never whole in memory: `weights_stream.export_blob`)."""
+        await self.publish_settled()  # in version order; a failed publish raises here
         t0 = time.perf_counter()
+        version, step = self.engine.version, self.intake.state.step
         wire = wire_dtype_of(self.opts.wire_dtype, self.opts.weights_dtype)
         blob = await asyncio.to_thread(export_blob, self.engine, wire)
-        await self.bus.put_weights(
-            self.engine.version,
-            blob,
-            wire,
-            self.intake.state.step,
-            file_dir=self.opts.weights_dir,
-        )
-        return time.perf_counter() - t0
+        if blob.nbytes > self.opts.overlap_publish_max_bytes:
+            await self._announce(version, blob, wire, step, t0)
+            return
+        copy = await asyncio.to_thread(host_copy, blob)
+        self._publishing = asyncio.create_task(self._announce(version, copy, wire, step, t0))
+
+    async def _announce(
+        self, version: int, blob: WeightsBlob, wire: str, step: int, t0: float
+    ) -> None:
+        await self.bus.put_weights(version, blob, wire, step, file_dir=self.opts.weights_dir)
+        self._announced = max(self._announced or 0, version)
+        self.last_publish_s = time.perf_counter() - t0
+        await self._publish_state()
+
+    async def publish_settled(self) -> None:
+        """Wait for an overlapped publish to land (re-raises its failure)."""
+        task, self._publishing = self._publishing, None
+        if task is not None:
+            await task
 
     async def restore(self) -> None:
         ckpt = self.checkpoints.load()
@@ -289,13 +321,17 @@ class TrainerService:
                 "version_rollforward", checkpoint=self.engine.version, announced=latest.version
             )
             self.engine.version = latest.version + 1
+        self.intake.state.version = self.engine.version
+        # only `_finish` of this incarnation makes the run done: the first publish of the run
+        # state (after the weights, if they go out now) resets the `done` a previous
+        # incarnation left in KV, which is what lets `--resume` extend a run
+        self.intake.state.done = False
         if latest is None or latest.version != self.engine.version:
             await self._publish_weights()
-        self.intake.state.version = self.engine.version
-        # only `_finish` of this incarnation makes the run done: this publish resets the `done`
-        # a previous incarnation left in KV, which is what lets `--resume` extend a run
-        self.intake.state.done = False
-        await self._publish_state()
+            await self.publish_settled()  # announced, then the run state
+        else:
+            self._announced = latest.version
+            await self._publish_state()
 
     async def summary(self) -> RunSummary:
         return make_summary(
@@ -317,6 +353,7 @@ class TrainerService:
         }
 
     async def _finish(self) -> RunSummary:
+        await self.publish_settled()
         await asyncio.to_thread(self.engine.save_pretrained, str(self.out_dir / "final"))
         self.intake.state.done = True
         await self._publish_state()
@@ -363,5 +400,9 @@ class TrainerService:
             hb.cancel()
             await evals.unsubscribe()
             await self.checkpoints.flush()  # a stop mid-run still lands what was trained
+            try:  # and announces the weights it trained last
+                await self.publish_settled()
+            except Exception as e:  # a resume publishes them; the run's own error stays
+                log.error("weights_publish_failed", version=self.engine.version, error=str(e))
             with contextlib.suppress(asyncio.CancelledError):
                 await consumer
