@@ -6,6 +6,7 @@ one row per run, the areal/TRL ratios, and reward (rolling 10-step mean) against
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from _common import md_table, median
@@ -32,6 +33,41 @@ def _med(xs: list[float | None], nd: int = 1) -> str:
 
 def _ttt(r: RunResult, t: float) -> float | None:
     return time_to_target(r, t) if r.ok else None
+
+
+def ttt_median(rs: list[RunResult], t: float) -> float | None:
+    """Median time to reward `t` over the runs that finished, a run that never reached it
+    counting as slower than any that did (inf); None when that median is not reached."""
+    xs = [x if x is not None else math.inf for x in (_ttt(r, t) for r in rs if r.ok)]
+    m = median(xs) if xs else math.inf
+    return None if m == math.inf else m
+
+
+def _med_ttt(rs: list[RunResult], t: float) -> str:
+    got = [_ttt(r, t) for r in rs if r.ok]
+    m = ttt_median(rs, t)
+    s = "n/r" if m is None else _f(m)
+    n = sum(x is not None for x in got)
+    return s if n == len(got) else f"{s} ({n}/{len(got)} reached)"
+
+
+def paired_lines(runs: dict[str, list[RunResult]], t: float) -> list[str]:
+    """Per repeat (seed): TRL's time to `t` / areal's, and who got there first."""
+    pairs = list(zip(runs["areal"], runs["trl"], strict=False))
+    if not pairs:
+        return []
+    ratios, wins = [], 0
+    for a, b in pairs:
+        ta, tb = _ttt(a, t), _ttt(b, t)
+        wins += (math.inf if ta is None else ta) < (math.inf if tb is None else tb)
+        if ta is None or tb is None:
+            ratios.append("neither" if ta == tb else "areal n/r" if ta is None else "TRL n/r")
+        else:
+            ratios.append(f"{tb / ta:.2f}x")
+    return [
+        f"- per repeat, time to {t} (TRL's / areal's): {', '.join(ratios)}; "
+        f"areal first in {wins} of {len(pairs)}"
+    ]
 
 
 def _metrics(r: RunResult, startup: Startup) -> dict[str, float | None]:
@@ -80,7 +116,7 @@ def summary_table(
                 f"{LABEL[system]} ({n_ok}/{len(rs)} ok)",
                 col("startup"),
                 col("first"),
-                *[_med([_ttt(r, t) for r in rs]) for t in thresholds],
+                *[_med_ttt(rs, t) for t in thresholds],
                 col("wall"),
                 col("sps", 0),
                 col("tps", 0),
@@ -131,10 +167,12 @@ def summary_lines(
         return median(xs) if xs else None
 
     out = []
-    for t in thresholds:
-        a, b = (med(system, lambda r, t=t: _ttt(r, t)) for system in SYSTEMS)
+    for t in thresholds:  # a run that never got there counts as slower than any that did
+        a, b = (ttt_median(runs[system], t) for system in SYSTEMS)
         if a and b:
             out.append(f"- time to reward {t}: areal {a:.1f} s, TRL {b:.1f} s: areal {b / a:.2f}x")
+    if thresholds:
+        out += paired_lines(runs, thresholds[-1])
     a = med("areal", lambda r: r.samples / r.wall_s)
     b = med("trl", lambda r: r.samples / r.wall_s)
     if a and b:

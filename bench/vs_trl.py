@@ -312,7 +312,8 @@ def run_workload(wl: Workload, args: argparse.Namespace, server_url: str, tmp: s
             "trainer start -> last step; samples/s = trained samples / wall; final reward = mean "
             "of the last 10 steps; eval = final model on 512 fixed held-out tasks at the rollout "
             "temperature (same tasks for both); process = the whole process (incl. saving the "
-            "final model and shutdown). Medians over repeats; `n/r` = not reached by a repeat.",
+            "final model and shutdown). Medians over repeats; `n/r` = not reached by a repeat; "
+            "a repeat that never reached x counts as slower than any that did (`k/n reached`).",
             "",
             f"![reward vs wall time]({png.name})",
             "",
