@@ -6,6 +6,7 @@ the header says which machine, how many torch threads and which command produced
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import shlex
@@ -68,6 +69,13 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def median_missed_last(values: Sequence[float | None]) -> float | None:
+    """Median of times (or steps) to a target where None (never reached) counts as slower than
+    any run that reached it; None when the median run itself never reached it (or no runs)."""
+    m = statistics.median([math.inf if v is None else v for v in values]) if values else math.inf
+    return None if m == math.inf else m
 
 
 def write_result(name: str, text: str) -> Path:

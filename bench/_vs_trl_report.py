@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from _common import md_table, median
+from _common import md_table, median, median_missed_last
 from _rl import RunResult, mean, rolling, time_to_target
 
 SYSTEMS = ("areal", "trl")
@@ -38,9 +38,7 @@ def _ttt(r: RunResult, t: float) -> float | None:
 def ttt_median(rs: list[RunResult], t: float) -> float | None:
     """Median time to reward `t` over the runs that finished, a run that never reached it
     counting as slower than any that did (inf); None when that median is not reached."""
-    xs = [x if x is not None else math.inf for x in (_ttt(r, t) for r in rs if r.ok)]
-    m = median(xs) if xs else math.inf
-    return None if m == math.inf else m
+    return median_missed_last([_ttt(r, t) for r in rs if r.ok])
 
 
 def _med_ttt(rs: list[RunResult], t: float) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]
 
+from _common import median_missed_last  # noqa: E402
 from _rl import rolling  # noqa: E402
 
 
@@ -58,11 +58,9 @@ def main() -> int:
     for system, rows in by_system.items():
         meds = []
         for j in range(len(ts)):
-            # a run that never got there counts as slower than any that did
-            all_ = [math.inf if r[0][j] is None else r[0][j] for r in rows]
-            m = statistics.median(all_)
-            missed = "" if math.inf not in all_ else "*"
-            meds.append(("n/r" if m == math.inf else f"{m:g}") + missed)
+            steps = [r[0][j] for r in rows]  # a miss counts as slower than any that got there
+            m = median_missed_last(steps)
+            meds.append(("n/r" if m is None else f"{m:g}") + ("*" if None in steps else ""))
         sps = statistics.median([r[1] for r in rows if r[1] is not None])
         print(
             f"- {system}: median steps to "
