@@ -179,10 +179,13 @@ class NatsSettings(_Part):
 
 
 class WeightsSettings(_Part):
-    transport: Literal["object_store", "file"] = Field(
-        "object_store",
+    transport: Literal["auto", "object_store", "file"] = Field(
+        "auto",
         description="object_store: weights travel through JetStream's object store; "
-        "file: written under weights.dir (a filesystem every rollout worker sees)",
+        "file: written under weights.dir (a filesystem every rollout worker sees); auto: "
+        "`areal run` picks file when no other host can reach its NATS server (embedded on "
+        "loopback, or a loopback nats.url: every worker shares this host's disk), else "
+        "object_store; a worker started on its own (`areal worker`) takes object_store",
     )
     dir: str | None = Field(
         None,
@@ -204,8 +207,17 @@ class WeightsSettings(_Part):
         "step's critical path); larger ones stream out in line with no copy. 0 = always in line",
     )
 
+    def resolve_transport(self, other_hosts_can_join: bool) -> None:
+        """Settle `transport: auto` for a run that `areal run` starts (before its config is
+        written and shared): weights as files when every worker must run on this host (a
+        local file is written and read at memory speed; through the object store the same
+        bytes cross the NATS server twice per version), else the object store."""
+        if self.transport == "auto":
+            self.transport = "object_store" if other_hosts_can_join else "file"
+
     def file_dir(self, out_dir: str) -> str | None:
-        """The dir of file:// weights (transport=file), None for the object store."""
+        """The dir of file:// weights (transport=file), None for the object store (an
+        unresolved auto is the object store: see `resolve_transport`)."""
         if self.transport != "file":
             return None
         return self.dir or f"{out_dir}/weights"

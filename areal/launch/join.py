@@ -229,11 +229,29 @@ def joined_config(manifest: RunFilesManifest, files_dir: Path, overrides: list[s
                 "(larger than the launcher's nats.share_max_bytes): pass --set "
                 f"data.{name}=<a local copy>"
             )
+    _check_weights_dir(manifest.run_id, cfg, given)
     path = files_dir / WORKER_CONFIG_NAME
     tmp = files_dir / f".{WORKER_CONFIG_NAME}.{os.getpid()}-{uuid.uuid4().hex[:6]}"
     tmp.write_text(json.dumps(cfg, indent=1))
     os.replace(tmp, path)  # same content from every replica: the last rename is as good
     return path
+
+
+def _check_weights_dir(run_id: str, cfg: dict, given: dict) -> None:
+    """A run whose weights travel as files (`weights.transport: file`, which `areal run` picks
+    for a NATS server no other host can reach) is joinable only where its weights dir is."""
+    weights = cfg.get("weights") or {}
+    if weights.get("transport") != "file":
+        return
+    weights_dir = (given.get("weights") or {}).get("dir") or weights.get("dir")
+    weights_dir = weights_dir or f"{cfg.get('out_dir')}/weights"
+    if not Path(weights_dir).is_dir():
+        raise JoinError(
+            f"run {run_id!r} sends its weights as files under {weights_dir} "
+            "(weights.transport=file) and this host does not see that dir: mount it at the "
+            "same path (or --set weights.dir=<where it is mounted here>), or start the run "
+            "with --set weights.transport=object_store"
+        )
 
 
 def join_config(run_id: str, nats_url: str, overrides: list[str], role: str = "rollout") -> Path:

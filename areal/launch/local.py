@@ -184,6 +184,12 @@ class Launcher:
             self.s.nats.url = self.server.url
         # before any worker starts: a worker on another host joins from these files
         public_url = self.server.public_url if self.server else public_url_of(self.s.nats.url)
+        self.s.weights.resolve_transport(other_hosts_can_join=public_url is not None)
+        weights_dir = self.s.weights.file_dir(self.s.out_dir)
+        if weights_dir is not None:  # absolute, and there before a worker starts: a joiner
+            # on this host checks for it (`join._check_weights_dir`)
+            self.s.weights.dir = str(Path(weights_dir).resolve())
+            Path(self.s.weights.dir).mkdir(parents=True, exist_ok=True)
         join_hint = share_run(self.s, public_url)
         if join_hint and not self.quiet:
             print(join_hint, file=sys.stderr)

@@ -193,3 +193,27 @@ def test_nats_url_takes_a_list_of_servers_and_replicas_are_bounded():
     for bad in (0, 6):
         with pytest.raises(ValueError):
             NatsSettings(replicas=bad)
+
+
+def test_a_file_weights_run_is_joined_only_where_its_weights_dir_is(model_dir, tmp_path):
+    """`areal run` sends weights as files when no other host reaches its server
+    (`weights.transport: auto`): a joiner that does not see the dir is refused at start,
+    naming the fix, instead of generating forever on weights it cannot load."""
+    weights = tmp_path / "launcher-out" / "weights"
+    s = settings_for(model_dir, "synthetic:arithmetic", "weights.transport=file")
+    s.weights.dir = str(weights)
+    files = shared_files(s)
+    copy = materialise(files, tmp_path / "copy")
+    with pytest.raises(
+        JoinError,
+        match=rf"files under {weights} .*mount it.*--set weights\.dir=.*"
+        r"--set weights\.transport=object_store",
+    ):
+        joined_config(manifest_of(files), copy, [])
+    here = tmp_path / "mounted-here"
+    here.mkdir()
+    path = joined_config(manifest_of(files), copy, [f"weights.dir={here}"])  # mounted elsewhere
+    assert load_settings(path, [f"weights.dir={here}"]).weights.file_dir("x") == str(here)
+    weights.mkdir(parents=True)  # this host sees the launcher's dir
+    path = joined_config(manifest_of(files), copy, [])
+    assert load_settings(path, []).weights.file_dir("x") == str(weights)
