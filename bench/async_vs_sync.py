@@ -162,14 +162,23 @@ HEADER = [
     "first 10",
     "rollout idle",
     "trainer idle",
+    "train ms/tok",
     "staleness mean",
     "interrupted",
 ]
 
 
+def train_ms_per_token(r: RunResult) -> float:
+    """The trainer's `train_s` per trained token (prompt + output), in ms: how fast it trains
+    with what else runs on its core (sync: nothing while it trains; async: the rollout's
+    neighbours and its own checkpoint writes and weight uploads)."""
+    tokens = sum(float(x.get("train_tokens", 0.0)) for x in r.records)
+    return 1000 * sum(float(x["train_s"]) for x in r.records) / max(tokens, 1.0)
+
+
 def row(m: Mode, r: RunResult, target: float | None) -> list[object]:
     if not r.ok:
-        return [m.name, m.eta, "-", m.packing, "-", f"FAILED (rc {r.rc})", *["-"] * 10]
+        return [m.name, m.eta, "-", m.packing, "-", f"FAILED (rc {r.rc})", *["-"] * 11]
     rw = r.rewards()
     ttt = time_to_target(r, target) if target is not None else None
     stale = [
@@ -191,6 +200,7 @@ def row(m: Mode, r: RunResult, target: float | None) -> list[object]:
         f"{mean(rw[:10]):.3f}",
         f"{1 - r.rollout_busy_frac():.2f}",
         f"{r.last('trainer_idle_frac'):.2f}",
+        f"{train_ms_per_token(r):.3f}",
         f"{mean(stale):.2f}",
         f"{r.mean_of('interrupted_frac'):.2f}",
     ]
@@ -371,7 +381,15 @@ def main() -> int:
         n: [
             {
                 k: x.get(k)
-                for k in ("step", "wall_s", "reward_mean", "staleness_max", "train_s", "wait_s")
+                for k in (
+                    "step",
+                    "wall_s",
+                    "reward_mean",
+                    "staleness_max",
+                    "train_s",
+                    "train_tokens",
+                    "wait_s",
+                )
             }
             for x in r.records
         ]
@@ -399,7 +417,8 @@ def main() -> int:
             "tasks at the rollout temperature (same tasks for every mode); rollout idle = 1 - busy_frac of the rollout's "
             "last heartbeat (time outside engine.generate over its lifetime); trainer idle = "
             "`trainer_idle_frac` of the last step (time outside engine.train_step; checkpoint "
-            "and weight publishing count as idle); staleness mean = mean sample staleness; "
+            "and weight publishing count as idle); train ms/tok = sum of train_s / sum of "
+            "train_tokens (prompt + output tokens trained); staleness mean = mean sample staleness; "
             "interrupted = fraction of trained samples that switched weights mid-generation.",
             "",
             f"![async vs sync]({png.name})",
