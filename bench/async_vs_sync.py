@@ -16,8 +16,9 @@ Modes:
 - sync-default: the same schedule as plain `areal run` starts it: no pinning, 1 torch thread per
   role (the OS spreads each phase's processes over both cores);
 - sync-pinned: the same schedule with the async core split;
-- async η in {1, 4, 8} x interruptible on/off x packing ffd/fixed (the default matrix; `--subset`
-  keeps η in {1, 4, 8} with interruptible+ffd plus the η=4 on/off x ffd/fixed square);
+- async η in {1, 2, 4, 8} x interruptible on/off x packing ffd/fixed (the default matrix;
+  `--subset` keeps η in {1, 2, 4, 8} with interruptible+ffd plus the η=4 on/off x ffd/fixed
+  square);
 - async-η1-int-ffd-unpinned: η = 1 as plain `areal run` starts it (no pinning, 1 thread per
   role); async-η1-int-ffd-others-rollout: η = 1 pinned, with the other processes on the
   rollout's core whatever `--others-core` says.
@@ -122,7 +123,7 @@ def build_modes(subset: bool) -> list[Mode]:
         Mode("sync-default", 0, False, "ffd", pinned=False),
         Mode("sync-pinned", 0, False, "ffd", pinned=True),
     ]
-    for eta in (1, 4, 8):
+    for eta in (1, 2, 4, 8):
         for inter in (True, False):
             for packing in ("ffd", "fixed"):
                 if subset and not ((inter and packing == "ffd") or eta == 4):

@@ -275,6 +275,13 @@ class Intake(Generic[H]):
         self.done_pending -= written
         self._written = ckpt.trainer.model_copy()
 
+    @property
+    def unwritten(self) -> bool:
+        """Steps trained or groups retired that no written checkpoint covers (ask once the
+        checkpoint in flight has landed): a stop now would lose them (the steps would be redone,
+        the slots would wait) unless a checkpoint is written first."""
+        return self.state.step != self._written.step or self.retired_unwritten
+
     def kv_state(self) -> TrainerState:
         """The run state to publish for admission: the current version and counters, except that
         returned slots (dropped + filtered + rejected) are those of the last written checkpoint."""

@@ -38,7 +38,13 @@ import structlog
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from areal.config import ConfigError, NatsSettings, RunSettings, parse_overrides
+from areal.config import (
+    ConfigError,
+    NatsSettings,
+    RunSettings,
+    WeightsSettings,
+    parse_overrides,
+)
 from schemas.run_files import CONFIG_NAME, DATA_PREFIX, MODEL_PREFIX, RunFilesManifest
 
 log = structlog.get_logger()
@@ -240,11 +246,11 @@ def joined_config(manifest: RunFilesManifest, files_dir: Path, overrides: list[s
 def _check_weights_dir(run_id: str, cfg: dict, given: dict) -> None:
     """A run whose weights travel as files (`weights.transport: file`, which `areal run` picks
     for a NATS server no other host can reach) is joinable only where its weights dir is."""
-    weights = cfg.get("weights") or {}
-    if weights.get("transport") != "file":
+    here = (given.get("weights") or {}).get("dir")  # where this host mounts the dir
+    weights = WeightsSettings(**{**(cfg.get("weights") or {}), **({"dir": here} if here else {})})
+    weights_dir = weights.file_dir(str(cfg.get("out_dir")))
+    if weights_dir is None:  # the object store (or an unsettled auto, which reads as one)
         return
-    weights_dir = (given.get("weights") or {}).get("dir") or weights.get("dir")
-    weights_dir = weights_dir or f"{cfg.get('out_dir')}/weights"
     if not Path(weights_dir).is_dir():
         raise JoinError(
             f"run {run_id!r} sends its weights as files under {weights_dir} "

@@ -312,6 +312,8 @@ class TrainerService:
             self.t_start = time.time() - ckpt.trainer.wall_s
             self.metrics.truncate(ckpt.trainer.step)
             log.info("trainer_resumed", step=ckpt.trainer.step, policy_version=self.engine.version)
+        else:  # an earlier incarnation died before its first checkpoint: its steps are redone
+            self.metrics.truncate(0)
         latest = await self.bus.latest_weights()
         if latest is not None and latest.version > self.engine.version:
             # weights newer than the checkpoint were announced (a crash between publishing and
@@ -394,6 +396,11 @@ class TrainerService:
                     consumer.result()  # surface a consumer crash
             if self.intake.state.step >= self.opts.total_steps:
                 return await self._finish()
+            # a stop mid-run (Ctrl-C, SIGTERM) keeps what was trained since the last periodic
+            # checkpoint (`checkpoint_every`): a resume goes on from here, redoing nothing
+            await self.checkpoints.flush()
+            if self.intake.unwritten:
+                await self.checkpoints.save(self.intake, background=False)
             return None
         finally:
             stop.set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -231,6 +232,10 @@ def test_resume_after_ctrl_c_finishes_the_run(tmp_path):
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)
     assert not (out / "summary.json").exists()
+    # the example checkpoints every 10 steps; a stop writes one for the steps trained since
+    stopped_at = records(out)[-1]["step"]
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["trainer"]["step"] == stopped_at
     res = areal(
         "run",
         str(EXAMPLE),
@@ -244,7 +249,12 @@ def test_resume_after_ctrl_c_finishes_the_run(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     summary = check_invariants(out, eta=1, B=16)
     assert summary["steps"] == 20
-    assert "trainer_resumed" in (out / "logs" / "trainer-0.log").read_text()
+    resumed = [
+        ln
+        for ln in (out / "logs" / "trainer-0.log").read_text().splitlines()
+        if "trainer_resumed" in ln
+    ]
+    assert len(resumed) == 1 and re.search(rf"\bstep\W+{stopped_at}\b", resumed[0]), resumed
 
 
 def test_runs_whose_ids_differ_only_in_dash_or_underscore_share_a_server(tmp_path, nats_url):

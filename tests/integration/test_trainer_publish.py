@@ -12,30 +12,13 @@ import torch
 
 from areal.bus.client import Bus
 from areal.core.intake import IntakePolicy
-from areal.data.tiny_model import build_tiny_model
 from areal.engines.config import TrainEngineConfig
 from areal.engines.torch_train import TorchTrainEngine, export_state_dict
 from areal.engines.weights_stream import SafetensorsBlob, SafetensorsSink, host_copy
-from areal.security.keys import RunKeys
 from areal.services.trainer import TrainerOptions, TrainerService
 from schemas.state import TRAINER_KEY, TrainerState
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0))
-
-
-@pytest.fixture
-async def buses(nats_url, run_id):
-    keys = RunKeys.generate()
-    trainer = await Bus.connect(nats_url, run_id, "trainer", "trainer-0", keys=keys)
-    rollout = await Bus.connect(nats_url, run_id, "rollout", "rollout-0", keys=keys.public())
-    yield trainer, rollout
-    await trainer.close()
-    await rollout.close()
 
 
 def make_trainer(bus: Bus, model_dir: str, out, **opts) -> TrainerService:

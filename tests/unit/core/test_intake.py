@@ -140,6 +140,27 @@ def test_restore() -> None:
     assert intake.checkpoint()[1] == []
 
 
+def test_unwritten_until_a_checkpoint_covers_the_steps_and_retirements() -> None:
+    intake: Intake[str] = Intake(IntakePolicy(1, 2, 0, filter_zero_adv_groups=True))
+    assert not intake.unwritten  # nothing trained yet
+    file_group(intake, 0, [0])
+    pick = intake.take_batch()
+    assert pick.batch is not None
+    intake.commit_step(pick.batch, version=1, wall_s=1.0)
+    assert intake.unwritten  # a trained step
+    ckpt, _ = intake.checkpoint()
+    assert intake.unwritten  # taken, not yet written
+    intake.checkpoint_written(ckpt)
+    assert not intake.unwritten
+    file_group(intake, 1, [1], rewards=(1, 1))
+    assert [r.reason for r in intake.take_batch().retired] == ["filtered"]
+    assert intake.unwritten  # a retirement: its slot goes back with a checkpoint
+    intake.checkpoint_written(intake.checkpoint()[0])
+    assert not intake.unwritten
+    intake.restore(CheckpointState(trainer=TrainerState(step=3, version=3)))
+    assert not intake.unwritten  # restored from a written checkpoint
+
+
 def test_batch_info_on_a_tiny_batch() -> None:
     intake: Intake[str] = Intake(IntakePolicy(1, 2, max_staleness=4), TrainerState(version=4))
     intake.file([scored(0, 0, [2, 2, 3], reward=1.0), scored(0, 1, [3, 3], reward=0.0)], "a")
