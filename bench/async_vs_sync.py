@@ -261,7 +261,11 @@ def main() -> int:
     ap.add_argument("--subset", action="store_true", help="8 modes instead of 14")
     ap.add_argument("--steps", type=int, help="train.total_steps per run (default 60)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", help="comma list of mode names (debugging)")
+    ap.add_argument(
+        "--only",
+        help="comma list of mode names; the sync modes named (all three when none is) set the "
+        "target",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS_DIR, help="results dir")
     ap.add_argument("--runs-dir", type=Path, help="keep run dirs here (default: a temp dir)")
     ap.add_argument(
@@ -279,7 +283,9 @@ def main() -> int:
     modes = build_modes(args.subset or args.quick)
     if args.only:
         keep = set(args.only.split(","))
-        modes = [m for m in modes if m.name in keep or m.sync]
+        # the target needs a sync run: the sync modes named, else all three
+        any_sync = any(m.sync and m.name in keep for m in modes)
+        modes = [m for m in modes if m.name in keep or (m.sync and not any_sync)]
     for m in modes:
         m.overrides += [f"seed={args.seed}", f"train.total_steps={steps}", *args.extra]
     if os.cpu_count() != 2:

@@ -52,7 +52,12 @@ def test_two_deepspeed_ranks_train_with_exact_accounting(tmp_path):
 def test_rank1_sigkilled_mid_run_resumes_from_the_deepspeed_checkpoint(tmp_path):
     out = tmp_path / "kill"
     proc = start_run(
-        out, *RANKS, "train.total_steps=20", "nats.ack_wait_s=4", "train.record_batches=true"
+        out,
+        *RANKS,
+        "train.total_steps=20",
+        "nats.ack_wait_s=4",
+        "train.record_batches=true",
+        "train.checkpoint_every=4",  # the example's 10 would leave none to resume from at 6
     )
     try:
         wait_steps(proc, out, 6)

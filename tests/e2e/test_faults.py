@@ -100,7 +100,8 @@ def _steps(out: Path) -> int:
 @pytest.mark.slow  # a 20-step run with a stretch of failed checkpoint writes: ~1-2 minutes
 def test_an_unwritable_checkpoint_dir_pauses_training_and_nothing_is_lost(tmp_path):
     out = tmp_path / "ckpt"
-    proc = start_run(out, "train.total_steps=20", "nats.ack_wait_s=4")
+    # a checkpoint every step (the example writes one every 10): the freeze bites at once
+    proc = start_run(out, "train.total_steps=20", "nats.ack_wait_s=4", "train.checkpoint_every=1")
     ckpt = out / "checkpoint"
     frozen = False
     try:

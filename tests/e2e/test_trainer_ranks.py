@@ -77,7 +77,10 @@ def test_two_fsdp_ranks_train_with_exact_accounting(tmp_path):
 @pytest.mark.slow  # 24 steps and one group restart: ~2 minutes on 2 cores
 def test_rank1_sigkilled_mid_run_restarts_the_group_and_nothing_is_lost(tmp_path):
     out = tmp_path / "kill"
-    proc = start_run(out, *RANKS, "train.total_steps=24", "nats.ack_wait_s=4")
+    # a checkpoint every 4 steps (the example's 10 would leave none to resume from at 8)
+    proc = start_run(
+        out, *RANKS, "train.total_steps=24", "nats.ack_wait_s=4", "train.checkpoint_every=4"
+    )
     try:
         wait_steps(proc, out, 8)
         pid = _worker_pid(proc.pid, FOLLOWER)
