@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import uuid
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from schemas import DeadLetter, PackedArray, SampleGroup, ScoredGroup, ScoredSam
 from schemas import subjects as S
 from schemas.state import CONTROLLER_KEY, TRAINER_KEY
 from schemas.subjects import RunNames
-from tests.e2e.test_run import records, start_run, wait_steps
+from tests.e2e.test_run import _worker_pid, records, start_run, wait_steps
 from tests.factories import make_sample, make_task
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
@@ -34,8 +35,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 RUN = "poison"
 G, B, ETA, MAX_NEW = 8, 16, 1, 6  # examples/arithmetic.yaml
 HUGE_ID = 10**6  # beyond any vocabulary here
-# long enough for the redeliveries of a never-admitted group (~1 s apart) to end before the run
 STEPS = 30
+NEVER_ADMITTED = "was never admitted"
 
 
 def _sample(seq: int, **fields):
@@ -106,7 +107,7 @@ def _poisons(admitted: int) -> list[tuple[str, bytes, str]]:
     ]:
         out.append((S.REWARDS, encode(ScoredGroup(scored=scored)), why))
     # a valid group of a task that was never admitted: handed back, then dead-lettered
-    out.append((S.REWARDS, encode(_scored_group(never)), "never admitted"))
+    out.append((S.REWARDS, encode(_scored_group(never)), NEVER_ADMITTED))
     # lying lengths (decode fails) and a payload just under max_payload
     lying = _scored_group(open_seq).model_dump(by_alias=True)
     lying["scored"][0]["sample"]["behav_logp"] = {"dtype": "float32", "data": b"\0" * 8}
@@ -185,6 +186,14 @@ async def _inject(url: str, out: Path) -> tuple[list[tuple[str, bytes, str]], in
     return poisons, admitted - 1
 
 
+async def _await_dead_letter(url: str, reason: str, timeout_s: float = 300) -> None:
+    """Wait until a dead letter whose reason holds `reason` is in the DLQ (hang guard)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not any(reason in d.reason for d in await _dead_letters(url)):
+        assert asyncio.get_running_loop().time() < deadline, f"no dead letter says {reason!r}"
+        await asyncio.sleep(0.5)
+
+
 async def _dead_letters(url: str) -> list[DeadLetter]:
     names = RunNames(RUN)
     nc = await nats.connect(url)
@@ -212,7 +221,18 @@ def test_poison_is_dead_lettered_and_the_run_finishes_with_exact_accounting(tmp_
     )
     try:
         wait_steps(proc, out, 3)
-        poisons, open_seq = asyncio.run(_inject(server.url, out))
+        # The never-admitted group is dead-lettered only on its last delivery, seconds after the
+        # first (the trainer's waits double), and a fast machine can finish the run before
+        # then. Pausing the rollout worker holds the run (no new trajectories, so no step)
+        # while the trainer keeps consuming: the run goes on once that dead letter is in.
+        rollout = _worker_pid(proc.pid, "rollout-0")
+        assert rollout is not None
+        os.kill(rollout, signal.SIGSTOP)
+        try:
+            poisons, open_seq = asyncio.run(_inject(server.url, out))
+            asyncio.run(_await_dead_letter(server.url, NEVER_ADMITTED))
+        finally:
+            os.kill(rollout, signal.SIGCONT)
         _, err = proc.communicate(timeout=900)  # hang guard
         assert proc.returncode == 0, err.decode()[-3000:]
         dead = asyncio.run(_dead_letters(server.url))
