@@ -328,6 +328,15 @@ class AlgoSettings(_Part):
     filter_zero_adv_groups: bool = Field(
         False, description="drop groups whose rewards are all equal (their slot is returned)"
     )
+    straggler_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="how long a step waits for an older task still generating before it trains "
+        "on newer groups instead; a skipped task usually goes stale and is dropped, its "
+        "generation wasted and the long answers it stands for left out of training. The wait "
+        "only bounds a lost or stuck task (a dead rollout's tasks come back after "
+        "nats.ack_wait_s); 0 = never wait (the oldest B complete groups, whatever is open)",
+    )
 
 
 class RolloutSettings(_Part):

@@ -106,6 +106,7 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService | RankZeroService:
             group_size=a.group_size,
             max_staleness=a.max_staleness,
             filter_zero_adv_groups=a.filter_zero_adv_groups,
+            straggler_wait_s=a.straggler_wait_s,
         ),
         total_steps=t.total_steps,
         max_tokens_per_mb=t.max_tokens_per_mb,

@@ -8,7 +8,11 @@ and `checkpoint` / `checkpoint_written` around its durable write.
 Invariants:
 - never picks a group whose oldest token was generated at a version `< version - η`: such a
   group is retired as `dropped_stale` (counted, its slot returned), never silently;
-- batches are the B oldest (by admission seq) complete fresh groups;
+- batches are the B oldest (by admission seq) complete fresh groups, and a batch skips an
+  older open task (one still generating) only after `straggler_wait_s` (the caller's clock,
+  `now`): a skipped task is the one most likely to go stale, so skipping it wastes its
+  generation and biases training against long answers, which is what stragglers are; the wait
+  is bounded so a lost or stuck task cannot stall training (it is passed once, then `overdue`);
 - a handle (one per group message: all G samples of a task, or a part of them when a group was
   too big for one message) is settled only once a checkpoint covers its group's effect: handles of trained or
   retired groups, and of duplicates of them, are released by `checkpoint()` and must be acked
@@ -61,6 +65,7 @@ class IntakePolicy:
     group_size: int  # G
     max_staleness: int  # η
     filter_zero_adv_groups: bool = False
+    straggler_wait_s: float = 0.0  # how long a batch waits for an older open task (0: never)
 
 
 class Filed(Enum):
@@ -102,6 +107,8 @@ class Retired:
 class Pick(Generic[H]):
     retired: list[Retired]  # groups retired while picking (their slots go back to admission)
     batch: list[Group[H]] | None  # B groups, oldest first; None while fewer are ready
+    # None, or: B groups are ready but an older task is still open; ask again within this (s)
+    retry_in: float | None = None
 
 
 class Intake(Generic[H]):
@@ -119,6 +126,9 @@ class Intake(Generic[H]):
         self._ended_seqs: set[int] = set()  # ended seqs at or above `_low_open`
         self._low_open = 0  # lowest admission seq that has not ended
         self._max_ended = -1
+        self._straggling_since: float | None = None  # B ready, an older task open, since then
+        self._passed: set[int] = set()  # open seqs a batch skipped after the wait (not again)
+        self.passed_stragglers = 0  # seqs skipped after waiting for them (this incarnation)
 
     # ------------------------------------------------------------------ messages
     def file(self, part: Sequence[ScoredSample], handle: H) -> Filed:
@@ -182,10 +192,12 @@ class Intake(Generic[H]):
         rewards = {sc.reward for sc in group.samples.values()}
         return len(rewards) <= 1
 
-    def take_batch(self) -> Pick[H]:
+    def take_batch(self, now: float = 0.0) -> Pick[H]:
         """Retire stale (and, if configured, zero-advantage) complete groups and pick the B
         oldest fresh ones at the current version. Picked groups stay in hand until
-        `commit_step`; with fewer than B ready, nothing is picked."""
+        `commit_step`; with fewer than B ready, nothing is picked. With B ready but an older
+        task still open (not ended, not complete), nothing is picked either until it completes
+        or `straggler_wait_s` has passed since B were first ready (`now`: monotonic seconds)."""
         p, version = self.policy, self.state.version
         retired: list[Retired] = []
         chosen: list[Group[H]] = []
@@ -198,9 +210,31 @@ class Intake(Generic[H]):
             elif len(chosen) < p.batch_size:
                 chosen.append(group)
         if len(chosen) < p.batch_size:
+            self._straggling_since = None
             return Pick(retired, None)
+        skipped = self._skipped(chosen)
+        if skipped:
+            if self._straggling_since is None:
+                self._straggling_since = now
+            left = self._straggling_since + p.straggler_wait_s - now
+            if left > 0:
+                return Pick(retired, None, retry_in=left)
+            self._passed.update(skipped)
+            self.passed_stragglers += len(skipped)
+        self._straggling_since = None
         self._in_hand = {g.task_id for g in chosen}
         return Pick(retired, chosen)
+
+    def _skipped(self, chosen: list[Group[H]]) -> list[int]:
+        """Open seqs older than the newest of `chosen` that it leaves out (not yet passed)."""
+        if self.policy.straggler_wait_s <= 0:
+            return []
+        taken = {g.task_seq for g in chosen}
+        return [
+            seq
+            for seq in range(self._low_open, chosen[-1].task_seq)
+            if seq not in taken and seq not in self._ended_seqs and seq not in self._passed
+        ]
 
     def _retire(self, group: Group[H], reason: RetireReason, vmin: int | None) -> Retired:
         self._end(group)
@@ -239,6 +273,7 @@ class Intake(Generic[H]):
 
     def _mark_ended(self, seq: int) -> None:
         self._max_ended = max(self._max_ended, seq)
+        self._passed.discard(seq)
         if seq >= self._low_open:
             self._ended_seqs.add(seq)
         while self._low_open in self._ended_seqs:
@@ -300,6 +335,7 @@ class Intake(Generic[H]):
         self.done_pending.clear()
         self._unacked.clear()
         self._ended_seqs, self._low_open, self._max_ended = set(), 0, -1
+        self._straggling_since, self._passed = None, set()
         for task_id in ckpt.done_tasks:
             seq = task_id.rsplit("-t", 1)[-1]
             if seq.isdigit():

@@ -177,15 +177,22 @@ class TrainerService:
     async def _next_batch(self, stop: asyncio.Event) -> list[Group[Lease]] | None:
         while not stop.is_set():
             self._data.clear()
-            pick = self.intake.take_batch()
+            passed = self.intake.passed_stragglers
+            pick = self.intake.take_batch(time.monotonic())
             if pick.retired:
                 await self._report_retired(pick.retired)
+            if self.intake.passed_stragglers > passed:
+                log.info(
+                    "stragglers_passed",
+                    n=self.intake.passed_stragglers - passed,
+                    waited_s=self.opts.intake.straggler_wait_s,
+                )
             if pick.batch is not None:
                 return pick.batch
             if self.intake.retired_unwritten:  # give their slots back before waiting
                 await self.checkpoints.save(self.intake, background=False)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._data.wait(), 1.0)
+                await asyncio.wait_for(self._data.wait(), min(1.0, pick.retry_in or 1.0))
         return None
 
     async def _publish_state(self) -> None:

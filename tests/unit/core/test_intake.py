@@ -99,6 +99,56 @@ def test_oldest_first_and_wait_for_b() -> None:
     assert pick.batch is not None and [g.task_seq for g in pick.batch] == [2, 5]
 
 
+def test_a_batch_waits_for_an_older_open_task_then_passes_it_once() -> None:
+    """B newer groups are ready while task 0 is still generating: the batch waits for it (it
+    would go stale if skipped) until `straggler_wait_s`, then trains without it; a task passed
+    once is not waited for again, and one that ends is forgotten."""
+    intake: Intake[str] = Intake(IntakePolicy(2, 2, max_staleness=1, straggler_wait_s=5.0))
+    file_group(intake, 1, [0])
+    file_group(intake, 2, [0])
+    pick = intake.take_batch(now=100.0)
+    assert pick.batch is None and pick.retry_in == 5.0  # t0 is open and older
+    assert intake.take_batch(now=103.0).retry_in == 2.0  # the clock runs from B ready
+    file_group(intake, 0, [0])  # the straggler arrives in time: the oldest B go
+    pick = intake.take_batch(now=104.0)
+    assert pick.batch is not None and [g.task_seq for g in pick.batch] == [0, 1]
+    intake.commit_step(pick.batch, version=1, wall_s=1.0)
+    # t2 complete; t3 (open, partial) and t4 (open, nothing yet) are older than t5
+    assert intake.file(group(3, [1])[:1], "h3") is Filed.HELD
+    file_group(intake, 5, [1])
+    assert intake.take_batch(now=200.0).retry_in == 5.0
+    pick = intake.take_batch(now=205.0)  # waited long enough: t3 and t4 are passed
+    assert pick.batch is not None and [g.task_seq for g in pick.batch] == [2, 5]
+    assert intake.passed_stragglers == 2
+    intake.commit_step(pick.batch, version=2, wall_s=2.0)
+    file_group(intake, 6, [2])
+    file_group(intake, 7, [2])
+    pick = intake.take_batch(now=206.0)  # t3 and t4 were passed once: no second wait
+    assert pick.batch is not None and [g.task_seq for g in pick.batch] == [6, 7]
+    assert pick.retry_in is None
+
+
+def test_a_batch_never_waits_when_straggler_wait_is_zero() -> None:
+    intake: Intake[str] = Intake(IntakePolicy(2, 2, max_staleness=1))  # straggler_wait_s 0
+    file_group(intake, 1, [0])
+    file_group(intake, 2, [0])
+    pick = intake.take_batch(now=1.0)
+    assert pick.batch is not None and [g.task_seq for g in pick.batch] == [1, 2]
+    assert intake.passed_stragglers == 0
+
+
+def test_ended_tasks_are_not_stragglers() -> None:
+    """Tasks that ended (trained, retired, or covered by the restored checkpoint) are never
+    waited for; only open ones are."""
+    intake: Intake[str] = Intake(IntakePolicy(1, 2, max_staleness=0, straggler_wait_s=9.0))
+    intake.restore(CheckpointState(trainer=TrainerState(step=2), done_tasks=["run-t0", "run-t1"]))
+    file_group(intake, 3, [0], rewards=(1, 0))
+    assert intake.take_batch(now=0.0).retry_in == 9.0  # t2 is open
+    assert intake.reject("t2", 2, "hr")[1] is not None  # rejected: it ends
+    pick = intake.take_batch(now=0.5)
+    assert pick.batch is not None and [g.task_seq for g in pick.batch] == [3]
+
+
 def test_zero_advantage_groups_filtered() -> None:
     intake: Intake[str] = Intake(IntakePolicy(1, 2, 0, filter_zero_adv_groups=True))
     file_group(intake, 0, [0], rewards=(1, 1))  # equal rewards: no advantage
