@@ -147,9 +147,8 @@ def _poisons(admitted: int) -> list[tuple[str, bytes, str]]:
     return out
 
 
-async def _inject(url: str, out: Path) -> tuple[list[tuple[str, bytes, str]], int]:
-    """Publish the poisons and tamper with the run state; returns the poisons and the seq of
-    the admitted task they name."""
+async def _inject(url: str) -> tuple[list[tuple[str, bytes, str]], int]:
+    """Publish the poisons; returns them and the seq of the admitted task they name."""
     names = RunNames(RUN)
     nc = await nats.connect(url)
     js = nc.jetstream()
@@ -158,13 +157,36 @@ async def _inject(url: str, out: Path) -> tuple[list[tuple[str, bytes, str]], in
     poisons = _poisons(admitted)
     for stream, data, _ in poisons:  # fresh message ids: nothing the server would de-duplicate
         await js.publish(names.subject(stream), data, headers={"Nats-Msg-Id": uuid.uuid4().hex})
-    # run-state tampering: each must be refused by the controller, none may stop or crash it.
-    # The trainer rewrites its record every step, and the controller reads the newest value, so
-    # a write may be overwritten unseen: write it again until the controller has refused it.
-    # Each tampering starts from the trainer's newest record, not from one of ours that it has
-    # not overwritten yet (which may not even be JSON).
+    await nc.close()
+    return poisons, admitted - 1
+
+
+async def _tamper(url: str, out: Path) -> None:
+    """Tamper with the run state: each write must be refused by the controller, none may stop or
+    crash it. The trainer may overwrite a write before the controller reads it, so a write is
+    repeated until the controller has refused it. Each one starts from the trainer's newest
+    record (every record it writes is seen through a watch, even one that a write of ours
+    overwrote at once), never from one of ours."""
+    names = RunNames(RUN)
+    nc = await nats.connect(url)
+    kv = await nc.jetstream().key_value(names.state_bucket)
+    watcher = await kv.watch(TRAINER_KEY)
     log_path = out / "logs" / "controller-0.log"
-    ours: set[bytes] = set()  # the first read is never ours, so `good` is set before use
+    ours: set[bytes] = set()
+    good: dict | None = None
+
+    async def newest_good() -> dict:
+        nonlocal good
+        while True:
+            try:
+                entry = await watcher.updates(timeout=0.1 if good is None else 0.01)
+            except nats.errors.TimeoutError:
+                if good is not None:
+                    return good
+                continue
+            if entry is not None and entry.value and entry.value not in ours:
+                good = json.loads(entry.value)
+
     for tamper, refusal in (
         (lambda good: b"{not json", "undecodable"),
         (lambda good: {**good, "done": True}, "done at step"),
@@ -172,18 +194,15 @@ async def _inject(url: str, out: Path) -> tuple[list[tuple[str, bytes, str]], in
         (lambda good: {**good, "dropped_stale": 10**6}, "returned slots for"),
     ):
         for _ in range(20):
-            latest = (await kv.get(TRAINER_KEY)).value
-            if latest not in ours:
-                good = json.loads(latest)
-            value = tamper(good)
+            value = tamper(await newest_good())
             raw = value if isinstance(value, bytes) else json.dumps(value).encode()
             ours.add(raw)
             await kv.put(TRAINER_KEY, raw)
             await asyncio.sleep(0.5)
             if refusal in log_path.read_text():
                 break
+    await watcher.stop()
     await nc.close()
-    return poisons, admitted - 1
 
 
 async def _await_dead_letter(url: str, reason: str, timeout_s: float = 300) -> None:
@@ -224,13 +243,15 @@ def test_poison_is_dead_lettered_and_the_run_finishes_with_exact_accounting(tmp_
         # The never-admitted group is dead-lettered only on its last delivery, seconds after the
         # first (the trainer's waits double), and a fast machine can finish the run before
         # then. Pausing the rollout worker holds the run (no new trajectories, so no step)
-        # while the trainer keeps consuming: the run goes on once that dead letter is in.
+        # while the trainer keeps consuming: the run goes on once that dead letter is in and
+        # the run state has been tampered with.
         rollout = _worker_pid(proc.pid, "rollout-0")
         assert rollout is not None
         os.kill(rollout, signal.SIGSTOP)
         try:
-            poisons, open_seq = asyncio.run(_inject(server.url, out))
+            poisons, open_seq = asyncio.run(_inject(server.url))
             asyncio.run(_await_dead_letter(server.url, NEVER_ADMITTED))
+            asyncio.run(_tamper(server.url, out))  # the run held: it cannot finish meanwhile
         finally:
             os.kill(rollout, signal.SIGCONT)
         _, err = proc.communicate(timeout=900)  # hang guard
