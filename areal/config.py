@@ -503,6 +503,10 @@ def _upper(v: object) -> object:
 
 # `AREAL_LOG_LEVEL=debug` works as well as `DEBUG`
 LogLevelField = Annotated[LogLevel, BeforeValidator(_upper)]
+# the processes `areal run` starts, by what `cpu_affinity` calls them ("other": the rest)
+AffinityRole = Literal["rollout", "trainer", "reward", "controller", "nats", "launcher", "other"]
+# a cpu list; YAML reads a lone core ("1") as a number
+CpuList = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int) else v)]
 LOG_LEVEL_HELP = "least severe log events shown: DEBUG | INFO | WARNING | ERROR (any case)"
 LOG_FORMAT_HELP = "console: for humans (colours on a TTY); json: one object per line (containers)"
 
@@ -518,6 +522,14 @@ class RunSettings(BaseSettings):
     replicas: dict[Literal["rollout", "reward"], int] = Field(
         default_factory=lambda: {"rollout": 1, "reward": 1},
         description="worker processes per role started by `areal run`",
+    )
+    cpu_affinity: dict[AffinityRole, CpuList] = Field(
+        default_factory=dict,
+        description="cores of each process `areal run` starts on this host (Linux), as a cpu "
+        "list ('0', '1-3', '0,2'): keys rollout, trainer (every rank), reward, controller, "
+        "nats (the embedded server), launcher, and other (every one not named); a process "
+        "with no entry runs where the OS puts it. E.g. {rollout: '0', trainer: '1', other: "
+        "'0-1'} keeps the two model roles off each other's core",
     )
     log_level: LogLevelField = Field("INFO", description=LOG_LEVEL_HELP)
     log_format: LogFormat = Field("console", description=LOG_FORMAT_HELP)
@@ -552,6 +564,13 @@ class RunSettings(BaseSettings):
         for role, n in self.replicas.items():
             if n < 1:
                 raise ValueError(f"replicas.{role} must be >= 1 (got {n})")
+        from areal.proc import parse_cpu_list
+
+        for role, cpus in self.cpu_affinity.items():
+            try:
+                parse_cpu_list(cpus)
+            except ValueError as e:
+                raise ValueError(f"cpu_affinity.{role}: {e}") from None
         n_seqs = self.algo.batch_size * self.algo.group_size
         if self.train.n_minibatches > n_seqs:
             raise ValueError(
@@ -578,6 +597,13 @@ class RunSettings(BaseSettings):
                 "data.eval_source, or eval.every_versions=0"
             )
         return self
+
+    def cpus_of(self, role: str) -> frozenset[int] | None:
+        """The cores `cpu_affinity` gives `role` (a key of it), or None: not pinned."""
+        from areal.proc import parse_cpu_list
+
+        spec = self.cpu_affinity.get(role, self.cpu_affinity.get("other"))  # type: ignore[call-overload]
+        return parse_cpu_list(spec) if spec is not None else None
 
     def reward_fn_name(self) -> str:
         from areal.rewards.registry import default_reward_for

@@ -4,9 +4,10 @@ One private nats-server (`EmbeddedNats`) serves every run of a benchmark; each r
 `run_id` (its own streams), so after a run ends its `metrics` stream still holds the workers'
 heartbeats, which `read_heartbeats` replays (rollout `busy_frac`, generated tokens).
 
-CPU pinning: the launcher has no affinity option, so `run_areal` walks the `areal run` process
-tree while it runs and pins every thread of each worker (found by `--worker-id` in its cmdline)
-with `os.sched_setaffinity`. It re-walks every 0.25 s so threads started later are pinned too.
+CPU pinning: `pin_roles` gives the `cpu_affinity` overrides that put each process of a run on
+its cores (the launcher pins each child between fork and exec); `run_areal` reads back where
+each worker ran from its `worker_prepared` log line. The benchmark's own nats-server, shared by
+its runs, is pinned with `pin_pid`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,22 +43,16 @@ LONG_WORKLOAD = (
     "rollout.max_new_tokens=96",
 )
 
-# worker id (`rollout-0`, `trainer-0`, `controller-0`, `reward-0`) -> CPU set, or None = leave
-Pinning = Callable[[str], set[int] | None]
 
+def pin_roles(rollout: set[int], trainer: set[int], others: set[int] | None = None) -> list[str]:
+    """The `cpu_affinity` override that puts the rollout workers on `rollout`, the trainer on
+    `trainer`, and the controller, reward workers, launcher and (embedded) nats-server on
+    `others` (None: where the OS puts them)."""
+    from areal.proc import format_cpu_list
 
-def pin_roles(rollout: set[int], trainer: set[int], others: set[int] | None = None) -> Pinning:
-    """rollout-* on `rollout`, trainer-0 on `trainer`; controller, reward-* and the launcher
-    itself (worker id `launcher`) on `others` (None: unpinned)."""
-
-    def assign(wid: str) -> set[int] | None:
-        if wid.startswith("rollout-"):
-            return rollout
-        if wid.startswith("trainer-"):
-            return trainer
-        return others
-
-    return assign
+    roles = {"rollout": rollout, "trainer": trainer, "other": others}
+    spec = ", ".join(f"{k}: '{format_cpu_list(v)}'" for k, v in roles.items() if v)
+    return [f"cpu_affinity={{{spec}}}"]
 
 
 def pin_pid(pid: int, cores: set[int]) -> None:
@@ -69,65 +63,17 @@ def pin_pid(pid: int, cores: set[int]) -> None:
                 os.sched_setaffinity(int(tid), cores)
 
 
-def _children_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        kids.setdefault(ppid, []).append(int(d))
-    return kids
+def worker_cpus(out_dir: Path) -> dict[str, str]:
+    """Worker id -> the cores it reported at start (`worker_prepared` cpus=, last start)."""
+    found: dict[str, str] = {}
+    for log in sorted((out_dir / "logs").glob("*.log")):
+        with contextlib.suppress(OSError):
+            for m in _PREPARED_CPUS.finditer(log.read_text(errors="replace")):
+                found[log.stem] = m[1]
+    return found
 
 
-def _descendants(root: int) -> list[int]:
-    kids, out, todo = _children_map(), [], [root]
-    while todo:
-        pid = todo.pop()
-        for c in kids.get(pid, []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _worker_id(pid: int) -> str | None:
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    if b"--worker-id" in args:
-        i = args.index(b"--worker-id")
-        if i + 1 < len(args):
-            return args[i + 1].decode()
-    return None
-
-
-class _Pinner(threading.Thread):
-    def __init__(self, root: int, assign: Pinning) -> None:
-        super().__init__(daemon=True)
-        self.root, self.assign = root, assign
-        self.pinned: dict[str, list[int]] = {}  # worker id -> cores (what was applied)
-        self.stop_evt = threading.Event()
-
-    def pin_once(self) -> None:
-        for pid in [self.root, *_descendants(self.root)]:
-            wid = "launcher" if pid == self.root else _worker_id(pid)
-            cores = self.assign(wid) if wid else None
-            if not cores:
-                continue
-            with contextlib.suppress(OSError):
-                for tid in os.listdir(f"/proc/{pid}/task"):
-                    with contextlib.suppress(OSError):
-                        if os.sched_getaffinity(int(tid)) != cores:
-                            os.sched_setaffinity(int(tid), cores)
-                self.pinned[wid] = sorted(cores)
-
-    def run(self) -> None:
-        while not self.stop_evt.wait(0.25):
-            self.pin_once()
+_PREPARED_CPUS = re.compile(r"worker_prepared\b.*?\bcpus=([\d,-]+)")
 
 
 @dataclass
@@ -140,7 +86,7 @@ class RunResult:
     records: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     heartbeats: dict[str, dict] = field(default_factory=dict)  # worker id -> last values
-    pinned: dict[str, list[int]] = field(default_factory=dict)
+    pinned: dict[str, str] = field(default_factory=dict)  # worker id -> cores it ran on
     load_before: float = 0.0
     load_after: float = 0.0
     eval_reward: float | None = None  # final policy on held-out tasks (`eval_final`)
@@ -208,7 +154,6 @@ def run_areal(
     nats_url: str,
     run_id: str,
     overrides: list[str],
-    pinning: Pinning | None = None,
     timeout_s: float = 1800.0,
 ) -> RunResult:
     cmd = areal_cmd(config, out_dir, nats_url, run_id, overrides)
@@ -221,9 +166,6 @@ def run_areal(
         proc = subprocess.Popen(
             cmd, cwd=REPO_ROOT, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )
-        pinner = _Pinner(proc.pid, pinning) if pinning else None
-        if pinner:
-            pinner.start()
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -233,14 +175,11 @@ def run_areal(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 rc = proc.wait()
-        finally:
-            if pinner:
-                pinner.stop_evt.set()
-                pinner.join()
     res = RunResult(name, out_dir, cmd, rc, time.perf_counter() - t0)
     res.load_before, res.load_after = load_before, os.getloadavg()[0]
     res.code = code
-    res.pinned = dict(pinner.pinned) if pinner else {}
+    if any(o.startswith("cpu_affinity") for o in overrides):
+        res.pinned = worker_cpus(out_dir)
     metrics = out_dir / "metrics.jsonl"
     if metrics.exists():
         res.records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]

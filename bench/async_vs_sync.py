@@ -21,11 +21,12 @@ Modes:
   square);
 - async-η1-int-ffd-unpinned: η = 1 as plain `areal run` starts it (no pinning, 1 thread per
   role); async-η1-int-ffd-others-rollout: η = 1 pinned, with the other processes on the
-  rollout's core whatever `--others-core` says.
+  rollout's core whatever `--others-core` says; async-η1-int-ffd-others-free: η = 1 pinned,
+  with the other processes free to run on either core.
 Async (and sync-pinned) runs give the rollout core 0 and the trainer core 1; the controller,
 reward, launcher and nats-server go on the trainer's core (`--others-core trainer`, default: the
-rollout is the busier role) or the rollout's. Every thread is pinned with `os.sched_setaffinity`,
-walking the `areal run` process tree (the launcher has no affinity option).
+rollout is the busier role) or the rollout's, by the run's `cpu_affinity` setting (the launcher
+starts each process on its cores); the benchmark's shared nats-server is pinned with it.
 
 Per mode: trainer wall time, trained samples/s, generated tokens/s (output tokens of trained
 samples / wall), time to a target reward (rolling 10-step mean >= 90% of the faster sync run's
@@ -104,16 +105,19 @@ class Mode:
     def cores_short(self) -> str:
         if not self.pinned:
             return f"shared, {self.threads} thr"
-        return "pinned 1+1" + (
-            ", others on rollout's" if self.others_cores() == ROLLOUT_CORE else ""
-        )
+        others = self.others_cores()
+        if others == ROLLOUT_CORE | TRAINER_CORE:
+            return "pinned 1+1, others free"
+        return "pinned 1+1" + (", others on rollout's" if others == ROLLOUT_CORE else "")
 
     def cores(self) -> str:
         if not self.pinned:
             return f"all {os.cpu_count()} (no pinning), torch {self.threads} threads per role"
+        others = self.others_cores()
         return (
             f"rollout -> core {min(ROLLOUT_CORE)}, trainer -> core {min(TRAINER_CORE)}, "
-            f"controller/reward/launcher/nats -> core {min(self.others_cores())}"
+            "controller/reward/launcher/nats -> "
+            + (f"core {min(others)}" if len(others) == 1 else f"cores {sorted(others)}")
         )
 
 
@@ -130,11 +134,23 @@ def build_modes(subset: bool) -> list[Mode]:
                     continue
                 tag = f"async-η{eta}-{'int' if inter else 'noint'}-{packing}"
                 modes.append(Mode(tag, eta, inter, packing, pinned=True))
-    # η = 1 placed otherwise: as plain `areal run` starts it (no pinning), and pinned with the
-    # controller, reward, launcher and nats-server on the rollout's core instead of the trainer's
+    # η = 1 placed otherwise: as plain `areal run` starts it (no pinning); pinned with the
+    # controller, reward, launcher and nats-server on the rollout's core instead of the trainer's;
+    # and pinned with those left free to run on either core (the scheduler puts them on
+    # whichever role is waiting at the time)
     modes.append(Mode("async-η1-int-ffd-unpinned", 1, True, "ffd", pinned=False))
     modes.append(
         Mode("async-η1-int-ffd-others-rollout", 1, True, "ffd", pinned=True, others=ROLLOUT_CORE)
+    )
+    modes.append(
+        Mode(
+            "async-η1-int-ffd-others-free",
+            1,
+            True,
+            "ffd",
+            pinned=True,
+            others=ROLLOUT_CORE | TRAINER_CORE,
+        )
     )
     for m in modes:
         m.overrides = [
@@ -301,8 +317,7 @@ def main() -> int:
             + (f", extra {args.extra}" if args.extra else ""),
             "cores": "async + sync-pinned: rollout-* threads -> core 0, trainer-0 threads -> "
             f"core 1; controller, reward-*, the `areal run` launcher and the nats-server -> core "
-            f"{min(OTHERS_CORE)} (the {args.others_core}'s; os.sched_setaffinity on every "
-            "thread, workers found by --worker-id in /proc). "
+            f"{min(OTHERS_CORE)} (the {args.others_core}'s; the run's `cpu_affinity`). "
             "sync-colocated: no pinning, torch 2 threads per role; sync-default: no pinning, "
             "1 thread per role",
             "busiest processes at start": top_other_processes(),
@@ -325,11 +340,11 @@ def main() -> int:
         for m in modes:
             run_id = f"avs-{m.name.replace('η', 'e')}-{int(time.time())}"
             print(f"\n[{m.name}] cores: {m.cores()}; load {cpu_load()}", flush=True)
-            pinning = pin_roles(ROLLOUT_CORE, TRAINER_CORE, m.others_cores()) if m.pinned else None
+            ov = m.overrides
+            if m.pinned:
+                ov = [*ov, *pin_roles(ROLLOUT_CORE, TRAINER_CORE, m.others_cores())]
             pin_pid(server.proc.pid, m.others_cores())
-            r = run_areal(
-                m.name, CONFIG, Path(tmp) / run_id, server.url, run_id, m.overrides, pinning
-            )
+            r = run_areal(m.name, CONFIG, Path(tmp) / run_id, server.url, run_id, ov)
             r.eval_reward = eval_final(r, CONFIG, m.overrides)
             cmds.append(("# pinned: " if m.pinned else "# unpinned: ") + show_cmd(r.cmd))
             print(f"  $ {show_cmd(r.cmd)}")

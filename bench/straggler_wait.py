@@ -104,8 +104,8 @@ def main() -> None:
                 out = Path(tmp) / run_id
                 load = cpu_load()
                 pin_pid(server.proc.pid, TRAINER_CORE)
-                pinning = pin_roles(ROLLOUT_CORE, TRAINER_CORE, TRAINER_CORE)
-                r = run_areal(run_id, CONFIG, out, server.url, run_id, ov, pinning)
+                pinned = [*ov, *pin_roles(ROLLOUT_CORE, TRAINER_CORE, TRAINER_CORE)]
+                r = run_areal(run_id, CONFIG, out, server.url, run_id, pinned)
                 ev = eval_final(r, CONFIG, ov)
                 s = json.loads((out / "summary.json").read_text())
                 ttt = [time_to_target(r, t) for t in targets]

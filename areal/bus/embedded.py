@@ -28,7 +28,7 @@ from pathlib import Path
 
 import structlog
 
-from areal.proc import die_with_parent
+from areal.proc import child_setup
 
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
 LOOPBACK = "127.0.0.1"
@@ -97,13 +97,15 @@ class EmbeddedNats:
         max_file_store_bytes: int | None = None,
         host: str = LOOPBACK,
         authorization: str = "",
+        cpus: frozenset[int] | None = None,
     ) -> None:
         """`extra_conf`: more nats-server config lines (e.g. `ping_interval: "1s"`).
         `max_file_store_bytes`: the JetStream file-storage limit (`max_file_store`, inside the
         `jetstream {}` block); None = the server's default (the free disk space).
         `host`: the address to listen on (`0.0.0.0` = every interface).
         `authorization`: the server's users and their permissions
-        (`nats_config.authorization_block`); empty = no authentication."""
+        (`nats_config.authorization_block`); empty = no authentication.
+        `cpus`: the cores the server runs on (None = wherever the OS puts it)."""
         self._own_dir = store_dir is None
         self.extra_conf = extra_conf
         self.authorization = authorization
@@ -111,6 +113,7 @@ class EmbeddedNats:
         self.store_dir = Path(store_dir or tempfile.mkdtemp(prefix="areal-nats-"))
         self.host = host
         self.port = port or free_port(host)
+        self.cpus = cpus
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -160,7 +163,7 @@ class EmbeddedNats:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent,
+            preexec_fn=child_setup(self.cpus),
         )
         log.close()
         deadline = time.monotonic() + timeout_s

@@ -23,6 +23,10 @@ Invariants:
 - the embedded server has one account per role of the run (`areal.bus.nats_config`), their
   credentials in `<out>/keys/nats/<role>.json` (0600), kept on `--resume`; config.json names
   that dir (`nats.credentials_dir`) and each worker connects with its own role's file;
+- with `cpu_affinity`, each process it starts (workers, trainer ranks, the embedded
+  nats-server, a restarted one too) runs on its role's cores from its first instruction (set
+  between fork and exec), and a process with no entry on every core the launcher started with;
+  cores this host does not give the launcher fail the check;
 - the run's keys (`areal.security.keys`: the trainer's weights signing key, its verify key, the
   message-id secret) exist before any worker starts, are kept on `--resume`, and config.json
   names their dir (`security.keys_dir`).
@@ -53,7 +57,7 @@ from areal.launch import run_dir
 from areal.launch.join import public_url_of, share_run
 from areal.launch.preflight import check_run
 from areal.launch.worker import EXIT_BUS_UNAVAILABLE, EXIT_CONFIG, resolve_model_path
-from areal.proc import die_with_parent
+from areal.proc import child_setup, format_cpu_list
 from areal.security.keys import KeysError, ensure_run_keys, keys_dir_of
 
 log = structlog.get_logger()
@@ -134,12 +138,14 @@ class Launcher:
         self._cfg_path: Path | None = None
         self._env: dict[str, str] = {}
         self.server: EmbeddedNats | None = None
+        self._home_cpus: frozenset[int] | None = None  # cpu_affinity set: the launcher's cores
 
     def check(self) -> run_dir.ResumePoint | None:
         """Every check before anything starts; raises `ConfigError`. Returns the resume point
         when `--resume` finds the run already finished at `train.total_steps` (nothing to do).
         With `--overwrite` the old run's artifacts are deleted here, after all checks passed."""
         check_run(self.s)
+        self._check_cpus()
         n = self.s.nats
         if not n.url and (n.credentials_file or n.credentials_dir):
             raise ConfigError(
@@ -159,6 +165,29 @@ class Launcher:
             names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in gone)
             print(f"--overwrite: deleted the previous run's {names} in {self.out}", file=sys.stderr)
         return None
+
+    def _cpus(self, role: str) -> frozenset[int] | None:
+        """Where a process of `role` runs: its `cpu_affinity` cores, else (when the launcher
+        itself was pinned elsewhere) every core the launcher started with."""
+        return self.s.cpus_of(role) or self._home_cpus
+
+    def _check_cpus(self) -> None:
+        """`cpu_affinity` names only cores this process may use (it can pin nothing else)."""
+        if not self.s.cpu_affinity:
+            return
+        if not hasattr(os, "sched_setaffinity"):
+            raise ConfigError(
+                "config error: cpu_affinity needs Linux (os.sched_setaffinity); unset it here"
+            )
+        allowed = os.sched_getaffinity(0)
+        for role in self.s.cpu_affinity:
+            cpus = self.s.cpus_of(role) or frozenset()
+            if not cpus <= allowed:
+                raise ConfigError(
+                    f"config error: cpu_affinity.{role}={self.s.cpu_affinity[role]!r} names "
+                    f"cores {format_cpu_list(cpus - allowed)} that this host does not give "
+                    f"`areal run` (it may use {format_cpu_list(allowed)}); pick among those"
+                )
 
     def prepare(self) -> Path:
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
@@ -180,6 +209,7 @@ class Launcher:
                 port=n.listen_port,
                 host=n.listen_host,
                 authorization=authorization,
+                cpus=self._cpus("nats"),
             ).start()
             self.s.nats.url = self.server.url
         # before any worker starts: a worker on another host joins from these files
@@ -247,7 +277,7 @@ class Launcher:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**self._env, "OMP_NUM_THREADS": str(threads), **(extra_env or {})},
-            preexec_fn=die_with_parent,
+            preexec_fn=child_setup(self._cpus(role)),
         )
         logf.close()
         self.started_at[wid] = time.monotonic()
@@ -423,6 +453,10 @@ class Launcher:
         # a config error comes back at once
         from areal.data.warm_start import WarmStartLockTimeout
 
+        if self.s.cpu_affinity:
+            self._home_cpus = frozenset(os.sched_getaffinity(0))
+            if (cpus := self.s.cpus_of("launcher")) is not None:
+                os.sched_setaffinity(0, cpus)  # before any thread starts: they inherit it
         try:
             cfg = self.prepare()
             self.spawn(cfg)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -271,6 +272,13 @@ async def await_open_run(bus: Bus, total_steps: int, stop: asyncio.Event) -> boo
         await watch.stop()
 
 
+def _cpus_here() -> str | None:
+    """The cores this process may run on (`cpu_affinity`), as a cpu list; None off Linux."""
+    from areal.proc import format_cpu_list
+
+    return format_cpu_list(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 def _prepare_reporting(spec: RoleSpec[P], settings: RunSettings, worker_id: str) -> P:
     done = threading.Event()
     t0 = time.monotonic()
@@ -285,7 +293,12 @@ def _prepare_reporting(spec: RoleSpec[P], settings: RunSettings, worker_id: str)
         return spec.prepare(settings, worker_id)
     finally:
         done.set()
-        log.info("worker_prepared", role=spec.role, prepare_s=round(time.monotonic() - t0, 2))
+        log.info(
+            "worker_prepared",
+            role=spec.role,
+            prepare_s=round(time.monotonic() - t0, 2),
+            cpus=_cpus_here(),
+        )
 
 
 async def _run(

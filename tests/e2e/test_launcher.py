@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from areal.proc import format_cpu_list, parse_cpu_list
+
 # the pytest-timeout default (300 s) would cut runs that pass their own 900 s hang guards
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -207,3 +209,27 @@ def test_overwrite_then_resume_a_finished_run_then_extend_it(tmp_path):
     assert json.loads((out / "config.json").read_text())["train"]["total_steps"] == 5
     # --resume kept the run's keys, and its rollout workers loaded what the trainer signed
     assert snapshot(out / "keys") == keys_before
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="cpu affinity is Linux-only")
+def test_cpu_affinity_puts_each_process_on_its_cores(tmp_path):
+    """`cpu_affinity` as a user sets it for a 2-role split: the rollout on one core, the
+    trainer on another, the rest on both. Each worker reports where it runs (`worker_prepared`
+    cpus), the run trains to the end, and the launcher's own cores are what it started with."""
+    cores = sorted(os.sched_getaffinity(0))
+    first, last = str(cores[0]), str(cores[-1])
+    every = ",".join(map(str, cores))
+    out = tmp_path / "out"
+    sets = (*SMALL, "train.total_steps=2", "log_format=json")
+    affinity = f"cpu_affinity={{rollout: '{first}', trainer: '{last}', other: '{every}'}}"
+    res = areal(*run_args(out, *sets, affinity), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = {"rollout-0": first, "trainer-0": last, "reward-0": every, "controller-0": every}
+    for wid, cpus in want.items():
+        lines = (out / "logs" / f"{wid}.log").read_text().splitlines()
+        prepared = [json.loads(x) for x in lines if '"worker_prepared"' in x]
+        assert prepared and {p["cpus"] for p in prepared} == {
+            format_cpu_list(parse_cpu_list(cpus))
+        }, wid
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2
