@@ -15,7 +15,8 @@ Modes:
   and `train.torch_threads=2` (each phase may use both cores, as a synchronous system would);
 - sync-default: the same schedule as plain `areal run` starts it: no pinning, 1 torch thread per
   role (the OS spreads each phase's processes over both cores);
-- sync-pinned: the same schedule with the async core split;
+- sync-pinned: the same schedule with the async core split; sync-pinned-others-free: the same
+  with the other processes free to run on either core;
 - async η in {1, 2, 4, 8} x interruptible on/off x packing ffd/fixed (the default matrix;
   `--subset` keeps η in {1, 4, 8} with interruptible+ffd plus the η=4 on/off x ffd/fixed
   square);
@@ -76,6 +77,7 @@ from _rl import (  # noqa: E402
 
 CONFIG = REPO_ROOT / "examples" / "arithmetic.yaml"
 ROLLOUT_CORE, TRAINER_CORE = {0}, {1}
+BOTH_CORES = ROLLOUT_CORE | TRAINER_CORE
 # controller, reward, launcher and nats-server share one role's core (--others-core): the
 # trainer's by default, since with padding-free training the rollout is the busier role
 OTHERS_CORE = TRAINER_CORE
@@ -106,7 +108,7 @@ class Mode:
         if not self.pinned:
             return f"shared, {self.threads} thr"
         others = self.others_cores()
-        if others == ROLLOUT_CORE | TRAINER_CORE:
+        if others == BOTH_CORES:
             return "pinned 1+1, others free"
         return "pinned 1+1" + (", others on rollout's" if others == ROLLOUT_CORE else "")
 
@@ -126,6 +128,9 @@ def build_modes(subset: bool) -> list[Mode]:
         Mode("sync-colocated", 0, False, "ffd", pinned=False, threads=2),
         Mode("sync-default", 0, False, "ffd", pinned=False),
         Mode("sync-pinned", 0, False, "ffd", pinned=True),
+        # the pinned schedule with the controller, reward, launcher and nats-server free to
+        # run on either core, as in async-η1-int-ffd-others-free
+        Mode("sync-pinned-others-free", 0, False, "ffd", pinned=True, others=BOTH_CORES),
     ]
     for eta in (1, 2, 4, 8):
         for inter in (True, False):
@@ -149,7 +154,7 @@ def build_modes(subset: bool) -> list[Mode]:
             True,
             "ffd",
             pinned=True,
-            others=ROLLOUT_CORE | TRAINER_CORE,
+            others=BOTH_CORES,
         )
     )
     for m in modes:
