@@ -8,12 +8,19 @@ sync mode, its time to the seed's target, each async mode's, their ratio, the sa
 and the eval difference; then per async mode the median and the range of the ratios over seeds
 and the mean eval difference with its standard error.
 
+Where the per-step curves the bench writes beside each report (`.json`) are there, the ratio is
+also split into its two factors: how much faster each step ran before the target (seconds per
+step, sync over async) and how many steps each run took to get there (sync over async). The
+first is what the system changes; the second is mostly how the two runs' rewards happened to
+move (a rolling mean of noisy steps crossing a slowly rising target).
+
     python bench/async_vs_sync_seeds.py bench/results/async_vs_sync_s*.md
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import statistics
@@ -47,6 +54,15 @@ def seed_of(path: Path) -> str:
     return m.group(1) if m else path.stem
 
 
+def step_at(curves: dict[str, list[dict]], mode: str, t: float | None) -> int | None:
+    """The step whose trainer wall time is the mode's time to target (`t`, as the report
+    rounds it): the step at which the rolling mean reached the target."""
+    recs = curves.get(mode) or []
+    if t is None or not recs:
+        return None
+    return int(min(recs, key=lambda r: abs(float(r["wall_s"]) - t))["step"])
+
+
 def num(cell: str) -> float | None:
     try:
         return float(cell)
@@ -58,15 +74,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("reports", nargs="+", type=Path, help="async_vs_sync*.md, one per seed")
     args = ap.parse_args()
-    per_seed, ratios, evals = [], {}, {}
+    per_seed, ratios, evals, per_step, steps = [], {}, {}, {}, {}
     for path in args.reports:
         table = read_table(path)
+        curves_path = path.with_suffix(".json")
+        curves = json.loads(curves_path.read_text()) if curves_path.exists() else {}
         syncs = {n: r for n, r in table.items() if n.startswith("sync") and num(r["wall s"])}
         if not syncs:
             print(f"{path}: no finished sync mode; skipped")
             continue
         sname, s = min(syncs.items(), key=lambda kv: float(kv[1]["wall s"]))
         s_ttt, s_eval, s_sps = num(s["t→target s"]), num(s["eval reward"]), num(s["samples/s"])
+        s_step = step_at(curves, sname, s_ttt)
         for name, r in table.items():
             if name.startswith("sync") or num(r["wall s"]) is None:
                 continue
@@ -77,6 +96,14 @@ def main() -> int:
                 ratios.setdefault(name, []).append(ratio)
             if d_eval is not None:
                 evals.setdefault(name, []).append(d_eval)
+            a_step = step_at(curves, name, a_ttt)
+            split = "n/a"
+            if ratio is not None and s_step and a_step:
+                n_ratio = s_step / a_step
+                speed = ratio / n_ratio  # (s_ttt / s_step) / (a_ttt / a_step)
+                per_step.setdefault(name, []).append(speed)
+                steps.setdefault(name, []).append(n_ratio)
+                split = f"{speed:.2f}x x {n_ratio:.2f} ({s_step}/{a_step} steps)"
             per_seed.append(
                 [
                     seed_of(path),
@@ -86,6 +113,7 @@ def main() -> int:
                     name,
                     r["t→target s"],
                     f"**{ratio:.2f}x**" if ratio else "n/a",
+                    split,
                     f"{a_sps / s_sps:.2f}x" if a_sps and s_sps else "n/a",
                     r["eval reward"],
                     f"{d_eval:+.3f}" if d_eval is not None else "n/a",
@@ -99,6 +127,7 @@ def main() -> int:
         "async mode",
         "async t→target s",
         "time-to-target",
+        "= per step x steps",
         "samples/s",
         "async eval",
         "eval diff",
@@ -115,6 +144,13 @@ def main() -> int:
             f"(median; {min(rs):.2f}x-{max(rs):.2f}x, {sum(r >= 1.8 for r in rs)} of {len(rs)} "
             f"at 1.8x or more); eval difference async - sync {diff}"
         )
+        if per_step.get(name):
+            sp, st = per_step[name], steps[name]
+            print(
+                f"  - split over {len(sp)} seeds: per step {statistics.median(sp):.2f}x "
+                f"(median; {min(sp):.2f}x-{max(sp):.2f}x) x steps to target sync/async "
+                f"{statistics.median(st):.2f} (median; {min(st):.2f}-{max(st):.2f})"
+            )
     return 0
 
 

@@ -3,6 +3,7 @@ pooled over the reports `bench/async_vs_sync.py` writes."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,34 @@ def test_ratios_are_against_each_seeds_fastest_sync_and_pooled(tmp_path):
         "more); eval difference async - sync +0.005 ± 0.015 (mean ± SE)"
     ) in out
     assert "- async-η4" not in out  # never reached the target: no ratio to pool
+
+
+def test_with_the_curves_the_ratio_splits_into_per_step_speed_and_steps(tmp_path):
+    # sync: 2 s a step, target at step 20 (40 s); async: 1 s a step, target at step 25 (25 s):
+    # 1.6x = 2.00x faster per step x 0.80 (20 steps against 25)
+    p = tmp_path / "s0.md"
+    p.write_text(
+        report(
+            0,
+            [
+                "| sync-pinned | 120.0 | 64 | 40.0 | 0.300 |",
+                "| async-η1 | 60.0 | 128 | 25.0 | 0.300 |",
+            ],
+        )
+    )
+    curves = {
+        "sync-pinned": [{"step": i, "wall_s": 2.0 * i} for i in range(1, 61)],
+        "async-η1": [{"step": i, "wall_s": 1.0 * i} for i in range(1, 61)],
+    }
+    p.with_suffix(".json").write_text(json.dumps(curves))
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "async_vs_sync_seeds.py"), str(p)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "| **1.60x** | 2.00x x 0.80 (20/25 steps) |" in out
+    assert (
+        "  - split over 1 seeds: per step 2.00x (median; 2.00x-2.00x) x steps to target "
+        "sync/async 0.80 (median; 0.80-0.80)"
+    ) in out
