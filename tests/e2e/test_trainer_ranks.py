@@ -30,12 +30,17 @@ def _log(out: Path, wid: str) -> str:
 
 
 def assert_matches_one_process(
-    out: Path, atol: float = 1e-5, weights_atol: float | None = None, rtol: float = 0.0
+    out: Path, atol: float = 1e-5, weights_atol: float | None = None, rtol: float = 1e-3
 ) -> None:
     """Replay the run's recorded batches through the torch engine (one process) built from
-    the run's own config: every step's loss as metrics.jsonl has it within `atol` (plus
-    `rtol` x the loss), and the final weights as the run published them (`out/final`) within
-    `weights_atol` (`atol`)."""
+    the run's own config: every step's loss as metrics.jsonl has it within `atol` plus
+    `rtol` x the loss, and the final weights as the run published them (`out/final`) within
+    `weights_atol` (`atol`).
+
+    The ranks sum their gradients in another order than one process does, so the weights
+    drift apart by ~5e-7 a step, and a later step's loss by more: a 2-rank FSDP run's step 10
+    once differed by 1.4e-5 (2e-4 of its loss 0.0656). A wrong batch, a step trained twice or
+    a lost one is off by percents, far outside 1e-3 of the loss."""
     from safetensors.torch import load_file
 
     from areal.config import load_settings
@@ -46,14 +51,19 @@ def assert_matches_one_process(
     recs = records(out)  # the steps that count (a step redone after a restart: its last run)
     stats = replay(reference, out / "batches", [r["version"] for r in recs])
     assert len(stats) == len(recs) > 0
+    worst_loss = 0.0
     for got, ran in zip(stats, recs, strict=True):
         tol = atol + rtol * abs(ran["loss"])
         assert abs(got["loss"] - ran["loss"]) <= tol, (ran["step"], got["loss"], ran["loss"])
+        worst_loss = max(worst_loss, abs(got["loss"] - ran["loss"]))
     final = load_file(str(out / "final" / "model.safetensors"))
     ref = reference.export_state_dict()
     assert final.keys() == ref.keys()
     worst = max((final[k].float() - ref[k].float()).abs().max().item() for k in ref)
-    print(f"replayed {len(stats)} steps on one process: final weights within {worst:.2e}")
+    print(
+        f"replayed {len(stats)} steps on one process: losses within {worst_loss:.2e}, "
+        f"final weights within {worst:.2e}"
+    )
     assert worst <= (atol if weights_atol is None else weights_atol)
 
 
