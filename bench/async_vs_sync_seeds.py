@@ -14,6 +14,17 @@ step, sync over async) and how many steps each run took to get there (sync over 
 first is what the system changes; the second is mostly how the two runs' rewards happened to
 move (a rolling mean of noisy steps crossing a slowly rising target).
 
+From the same curves, a second table sets each async run's throughput against what overlap
+could give at best, over the whole run:
+- trained tok/s: trained tokens (prompt + output) per second of trainer wall time, async over
+  the fastest sync; unlike samples/s, it does not move with how long a run's answers are;
+- ceiling: the sync run's wall time over its slower role's (its trainer's summed `train_s`, or
+  the rest of the wall time, when the trainer waited for the rollout and the reward): what a
+  perfect overlap of the two roles' work would give, with each role as fast as it was alone;
+- async wait: the share of the async run's wall time its trainer waited for a batch;
+- async ms/tok: the async trainer's time per trained token over the sync trainer's (above 1:
+  it trains slower while the rollout and the other processes run beside it).
+
     python bench/async_vs_sync_seeds.py bench/results/async_vs_sync_s*.md
 """
 
@@ -63,6 +74,33 @@ def step_at(curves: dict[str, list[dict]], mode: str, t: float | None) -> int | 
     return int(min(recs, key=lambda r: abs(float(r["wall_s"]) - t))["step"])
 
 
+def throughput(curves: dict[str, list[dict]], sync: str, mode: str) -> list[str] | None:
+    """The throughput row of `mode` against `sync` (see the module doc), None without the
+    per-step timings in the curves."""
+    s, a = curves.get(sync) or [], curves.get(mode) or []
+    keys = ("wall_s", "train_s", "wait_s", "train_tokens")
+    if not s or not a or any(k not in r for r in (s[-1], a[-1]) for k in keys):
+        return None
+
+    def tot(recs: list[dict], key: str) -> float:
+        return sum(float(r[key]) for r in recs)
+
+    s_wall, a_wall = float(s[-1]["wall_s"]), float(a[-1]["wall_s"])
+    s_train, a_train = tot(s, "train_s"), tot(a, "train_s")
+    s_tok, a_tok = tot(s, "train_tokens"), tot(a, "train_tokens")
+    if min(s_wall, a_wall, s_train, a_train, s_tok, a_tok) <= 0:
+        return None
+    ceiling = s_wall / max(s_train, s_wall - s_train)
+    speed = (a_tok / a_wall) / (s_tok / s_wall)
+    return [
+        f"{speed:.2f}x",
+        f"{ceiling:.2f}x",
+        f"{speed / ceiling:.0%}",
+        f"{tot(a, 'wait_s') / a_wall:.0%}",
+        f"{(a_train / a_tok) / (s_train / s_tok):.2f}",
+    ]
+
+
 def num(cell: str) -> float | None:
     try:
         return float(cell)
@@ -75,6 +113,9 @@ def main() -> int:
     ap.add_argument("reports", nargs="+", type=Path, help="async_vs_sync*.md, one per seed")
     args = ap.parse_args()
     per_seed, ratios, evals, per_step, steps = [], {}, {}, {}, {}
+    flows: list[list[str]] = []
+    speeds: dict[str, list[float]] = {}
+    ceilings: dict[str, list[float]] = {}
     for path in args.reports:
         table = read_table(path)
         curves_path = path.with_suffix(".json")
@@ -96,6 +137,10 @@ def main() -> int:
                 ratios.setdefault(name, []).append(ratio)
             if d_eval is not None:
                 evals.setdefault(name, []).append(d_eval)
+            if (row := throughput(curves, sname, name)) is not None:
+                flows.append([seed_of(path), sname, name, *row])
+                speeds.setdefault(name, []).append(float(row[0].rstrip("x")))
+                ceilings.setdefault(name, []).append(float(row[1].rstrip("x")))
             a_step = step_at(curves, name, a_ttt)
             split = "n/a"
             if ratio is not None and s_step and a_step:
@@ -150,6 +195,19 @@ def main() -> int:
                 f"  - split over {len(sp)} seeds: per step {statistics.median(sp):.2f}x "
                 f"(median; {min(sp):.2f}x-{max(sp):.2f}x) x steps to target sync/async "
                 f"{statistics.median(st):.2f} (median; {min(st):.2f}-{max(st):.2f})"
+            )
+    if flows:
+        print()
+        cols = ["seed", "fastest sync", "async mode", "trained tok/s", "ceiling"]
+        cols += ["of the ceiling", "async wait", "async ms/tok"]
+        print(md_table(cols, flows))
+        print()
+        for name, sp in speeds.items():
+            ce = ceilings[name]
+            print(
+                f"- {name}: trained tokens/s {statistics.median(sp):.2f}x the fastest sync "
+                f"(median; {min(sp):.2f}x-{max(sp):.2f}x) against an overlap ceiling of "
+                f"{statistics.median(ce):.2f}x (median; {min(ce):.2f}x-{max(ce):.2f}x)"
             )
     return 0
 

@@ -120,3 +120,49 @@ def test_with_the_curves_the_ratio_splits_into_per_step_speed_and_steps(tmp_path
         "  - split over 1 seeds: per step 2.00x (median; 2.00x-2.00x) x steps to target "
         "sync/async 0.80 (median; 0.80-0.80)"
     ) in out
+
+
+def test_with_the_timings_each_run_is_set_against_the_overlap_ceiling(tmp_path):
+    # sync: 2 s a step, 1 s training, 1 s waiting for the batch: balanced roles, ceiling 2x.
+    # async: 1.25 s a step, the same 1 s of training per step, 0.25 s waiting: 1.60x the
+    # trained tokens/s (100 a step in both), 80% of the ceiling, 20% of its wall time waiting
+    p = tmp_path / "s0.md"
+    p.write_text(
+        report(
+            0,
+            [
+                "| sync-pinned | 120.0 | 64 | 40.0 | 0.300 |",
+                "| async-η1 | 75.0 | 102 | 25.0 | 0.300 |",
+            ],
+        )
+    )
+
+    def run(step_s: float, wait_s: float) -> list[dict]:
+        return [
+            {"step": i, "wall_s": step_s * i, "train_s": 1.0, "wait_s": wait_s, "train_tokens": 100}
+            for i in range(1, 61)
+        ]
+
+    curves = {"sync-pinned": run(2.0, 1.0), "async-η1": run(1.25, 0.25)}
+    p.with_suffix(".json").write_text(json.dumps(curves))
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "async_vs_sync_seeds.py"), str(p)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "| 0 | sync-pinned | async-η1 | 1.60x | 2.00x | 80% | 20% | 1.00 |" in out
+    assert (
+        "- async-η1: trained tokens/s 1.60x the fastest sync (median; 1.60x-1.60x) against an "
+        "overlap ceiling of 2.00x (median; 2.00x-2.00x)"
+    ) in out
+    # without the timings (older curves), no throughput table
+    curves = {m: [{"step": r["step"], "wall_s": r["wall_s"]} for r in c] for m, c in curves.items()}
+    p.with_suffix(".json").write_text(json.dumps(curves))
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "async_vs_sync_seeds.py"), str(p)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "trained tok/s" not in out
