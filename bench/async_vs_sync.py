@@ -187,6 +187,7 @@ HEADER = [
     "train ms/tok",
     "staleness mean",
     "interrupted",
+    "batch tail s",
 ]
 
 
@@ -200,7 +201,7 @@ def train_ms_per_token(r: RunResult) -> float:
 
 def row(m: Mode, r: RunResult, target: float | None) -> list[object]:
     if not r.ok:
-        return [m.name, m.eta, "-", m.packing, "-", f"FAILED (rc {r.rc})", *["-"] * 11]
+        return [m.name, m.eta, "-", m.packing, "-", f"FAILED (rc {r.rc})", *["-"] * 12]
     rw = r.rewards()
     ttt = time_to_target(r, target) if target is not None else None
     stale = [
@@ -225,6 +226,7 @@ def row(m: Mode, r: RunResult, target: float | None) -> list[object]:
         f"{train_ms_per_token(r):.3f}",
         f"{mean(stale):.2f}",
         f"{r.mean_of('interrupted_frac'):.2f}",
+        f"{r.mean_of('tail_s', float('nan')):.2f}",
     ]
 
 
@@ -416,6 +418,9 @@ def main() -> int:
                     "train_s",
                     "train_tokens",
                     "wait_s",
+                    "gen_span_s",
+                    "tail_s",
+                    "ready_age_s",
                 )
             }
             for x in r.records
@@ -446,7 +451,9 @@ def main() -> int:
             "`trainer_idle_frac` of the last step (time outside engine.train_step; checkpoint "
             "and weight publishing count as idle); train ms/tok = sum of train_s / sum of "
             "train_tokens (prompt + output tokens trained); staleness mean = mean sample staleness; "
-            "interrupted = fraction of trained samples that switched weights mid-generation.",
+            "interrupted = fraction of trained samples that switched weights mid-generation; "
+            "batch tail s = mean over steps of `tail_s` (the median task's last sample finished "
+            "-> the batch's last sample finished: how long its slowest answers held the batch).",
             "",
             f"![async vs sync]({png.name})",
             "",

@@ -132,6 +132,25 @@ class BatchInfo(BaseModel):
         default_factory=list,
         description="admission seq of each task trained in this step (audits: none twice)",
     )
+    # Where the batch's time went, from the timestamps its samples carry (`Sample.timings`:
+    # admitted, received by a rollout, finished). Wall clocks: across hosts they include the
+    # hosts' clock skew. None when no sample of the batch carries them.
+    queue_s: float | None = Field(
+        None, description="median over tasks of admission -> a rollout received it (s)"
+    )
+    gen_span_s: float | None = Field(
+        None, description="first task received -> last sample finished, over the batch (s)"
+    )
+    tail_s: float | None = Field(
+        None,
+        description="the median task's last sample finished -> the batch's last sample "
+        "finished: how long its slowest answers held the batch (s)",
+    )
+    ready_age_s: float | None = Field(
+        None,
+        description="the batch's last sample finished -> the trainer took the batch: ~0 "
+        "when the trainer waited for the rollout, larger when the batch waited for the trainer",
+    )
 
 
 class StepRecord(BatchInfo):

@@ -352,8 +352,9 @@ class Intake(Generic[H]):
             rejected=st.rejected,
         )
 
-    def batch_info(self, batch: list[Group[H]]) -> BatchInfo:
-        """Reward, length and staleness statistics of a picked batch at the current version."""
+    def batch_info(self, batch: list[Group[H]], now: float | None = None) -> BatchInfo:
+        """Reward, length and staleness statistics of a picked batch at the current version,
+        and its pipeline timings (`batch_timings`; `now`: when it was picked, wall clock)."""
         v = self.state.version
         scored = [sc for g in batch for sc in g.ordered()]
         rewards = np.array([sc.reward for sc in scored], dtype=np.float64)
@@ -377,6 +378,7 @@ class Intake(Generic[H]):
             reprefill_tokens=sum(sc.sample.n_reprefill_tokens for sc in scored),
             truncated_frac=sum(sc.sample.finish_reason == "length" for sc in scored) / max(1, n),
             task_seqs=[g.task_seq for g in batch],
+            **batch_timings(batch, now),
         )
 
     def step_record(
@@ -409,6 +411,36 @@ class Intake(Generic[H]):
     def rewards(self, batch: Iterable[Group[H]]) -> list[list[float]]:
         """`[B][G]` rewards in sample order (for the advantages)."""
         return [[sc.reward for sc in g.ordered()] for g in batch]
+
+
+def batch_timings(batch: Sequence[Group[H]], now: float | None) -> dict[str, float]:
+    """`queue_s`, `gen_span_s`, `tail_s` and (given `now`) `ready_age_s` of a batch (see
+    `BatchInfo`), from its samples' `timings`; the tasks none of whose samples carry them are
+    left out, and with none left, so are the fields."""
+    queued, received, finished = [], [], []
+    for group in batch:
+        ts = [sc.sample.timings for sc in group.ordered()]
+        rcv = [t["received_at"] for t in ts if "received_at" in t]
+        fin = [t["finished_at"] for t in ts if "finished_at" in t]
+        adm = [t["admitted_at"] for t in ts if "admitted_at" in t]
+        if not rcv or not fin:
+            continue
+        received.append(min(rcv))
+        finished.append(max(fin))
+        if adm:
+            queued.append(min(rcv) - min(adm))
+    if not finished:
+        return {}
+    last = max(finished)
+    out = {
+        "gen_span_s": round(last - min(received), 4),
+        "tail_s": round(last - float(np.median(finished)), 4),
+    }
+    if queued:
+        out["queue_s"] = round(float(np.median(queued)), 4)
+    if now is not None:
+        out["ready_age_s"] = round(now - last, 4)
+    return out
 
 
 def _str_keys(hist: dict[int, int]) -> dict[str, int]:

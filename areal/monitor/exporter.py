@@ -38,6 +38,18 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "areal_weights_publish_seconds": ("time to publish the last weights", "weights_publish_s"),
     "areal_trainer_wait_seconds": ("time the trainer waited for the last batch", "wait_s"),
     "areal_train_seconds": ("time of the last update", "train_s"),
+    "areal_batch_generation_seconds": (
+        "first task received -> last sample finished, of the last step's batch",
+        "gen_span_s",
+    ),
+    "areal_batch_tail_seconds": (
+        "median task finished -> last sample finished, of the last step's batch",
+        "tail_s",
+    ),
+    "areal_batch_ready_age_seconds": (
+        "last sample finished -> the trainer took the batch, of the last step",
+        "ready_age_s",
+    ),
     "areal_wall_seconds": ("trainer wall time since the run started", "wall_s"),
 }
 

@@ -116,7 +116,21 @@ def idle_panel(st: RunState, now: float) -> Panel:
         for role in ("rollout", "trainer", "reward", "controller")
         if role in idle
     ]
+    if (batch := batch_line(st.last_step)) is not None:
+        lines.append(batch)
     return Panel(Text("\n".join(lines) or "no heartbeats yet"), title="Idle")
+
+
+def batch_line(last: dict[str, Any] | None) -> str | None:
+    """Where the last step's batch spent its time (`BatchInfo`'s timings), or None."""
+    if not last or last.get("gen_span_s") is None:
+        return None
+    line = f"last batch: generated in {last['gen_span_s']:.2f} s"
+    if last.get("tail_s") is not None:
+        line += f", its slowest answers {last['tail_s']:.2f} s of it"
+    if (age := last.get("ready_age_s")) is not None:
+        line += f", then waited {age:.2f} s for the trainer"
+    return line
 
 
 def queues_panel(st: RunState, now: float) -> Panel:

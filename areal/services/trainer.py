@@ -215,7 +215,7 @@ class TrainerService:
 
     async def step(self, batch: list[Group[Lease]], wait_s: float) -> StepRecord:
         o = self.opts
-        info = self.intake.batch_info(batch)
+        info = self.intake.batch_info(batch, now=time.time())
         rewards = self.intake.rewards(batch)
         seqs = to_train_seqs(
             batch,

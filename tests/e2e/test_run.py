@@ -75,6 +75,9 @@ def check_invariants(out: Path, eta: int, B: int) -> dict:
         # intake: nothing older than η was trained on
         assert r["staleness_max"] <= eta, r
         assert r["trained_on_version"] - r["token_version_min"] <= eta, r
+        # where the batch's time went, from its samples' timestamps (one host: no clock skew)
+        assert 0 <= r["tail_s"] <= r["gen_span_s"], r
+        assert r["queue_s"] >= 0 and r["ready_age_s"] >= 0, r
     # every admitted task accounted for exactly once
     assert summary["admitted"] == (
         summary["trained"]

@@ -232,6 +232,46 @@ def test_batch_info_on_a_tiny_batch() -> None:
     assert intake.rewards(pick.batch) == [[1.0, 0.0]]
 
 
+def timed(seq: int, idx: int, admitted: float, received: float, finished: float) -> ScoredSample:
+    """Sample `idx` of task `t{seq}` (a group of 2) with the rollout's timestamps."""
+    sc = scored(seq, idx, [0])
+    t = {"admitted_at": admitted, "received_at": received, "finished_at": finished}
+    return sc.model_copy(update={"sample": sc.sample.model_copy(update={"timings": t})})
+
+
+def test_batch_info_says_where_the_batch_time_went() -> None:
+    intake: Intake[str] = Intake(IntakePolicy(3, 2, max_staleness=1), TrainerState(version=0))
+    # three tasks admitted at 100; received after 0.1, 0.2 and 0.5 s; their last samples
+    # finished at 101, 102 and 105
+    intake.file([timed(0, 0, 100.0, 100.1, 100.5), timed(0, 1, 100.0, 100.1, 101.0)], "a")
+    intake.file([timed(1, 0, 100.0, 100.2, 102.0), timed(1, 1, 100.0, 100.2, 101.5)], "b")
+    intake.file([timed(2, 0, 100.0, 100.5, 105.0), timed(2, 1, 100.0, 100.5, 103.0)], "c")
+    pick = intake.take_batch()
+    assert pick.batch is not None
+    info = intake.batch_info(pick.batch, now=105.25)
+    assert info.queue_s == 0.2  # median of 0.1, 0.2, 0.5
+    assert info.gen_span_s == 4.9  # 100.1 -> 105
+    assert info.tail_s == 3.0  # the median task's last sample at 102, the batch's at 105
+    assert info.ready_age_s == 0.25  # taken a quarter second after its last sample
+    assert intake.batch_info(pick.batch).ready_age_s is None  # no pick time given
+
+
+def test_batch_timings_leave_out_samples_without_them() -> None:
+    intake: Intake[str] = Intake(IntakePolicy(2, 2, max_staleness=1), TrainerState(version=0))
+    file_group(intake, 0, [0])  # no timings (an older rollout)
+    intake.file([timed(1, 0, 10.0, 11.0, 12.0), timed(1, 1, 10.0, 11.0, 13.0)], "b")
+    pick = intake.take_batch()
+    assert pick.batch is not None
+    info = intake.batch_info(pick.batch, now=13.0)
+    assert (info.queue_s, info.gen_span_s, info.tail_s, info.ready_age_s) == (1.0, 2.0, 0.0, 0.0)
+    intake2: Intake[str] = Intake(IntakePolicy(1, 2, max_staleness=1), TrainerState(version=0))
+    file_group(intake2, 0, [0])
+    pick2 = intake2.take_batch()
+    assert pick2.batch is not None
+    info2 = intake2.batch_info(pick2.batch, now=1.0)
+    assert (info2.queue_s, info2.gen_span_s, info2.tail_s, info2.ready_age_s) == (None,) * 4
+
+
 def test_returned_slots_reach_admission_only_once_a_checkpoint_covers_them() -> None:
     # A trainer restored from its last written checkpoint must never report fewer returned
     # slots than admission already used: kv_state() holds retirements back until then.

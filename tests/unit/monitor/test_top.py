@@ -7,7 +7,7 @@ import io
 from rich.console import Console, Group
 
 from areal.monitor.state import RunState
-from areal.monitor.top import PANEL_TITLES, bar, dashboard, render_panels, sparkline
+from areal.monitor.top import PANEL_TITLES, bar, batch_line, dashboard, render_panels, sparkline
 from schemas import MetricRecord
 from tests.unit.monitor.test_state import beat, step
 
@@ -59,6 +59,19 @@ def test_panels_show_real_numbers():
     assert "capacity 40" in out
     assert "prompts" in out
     assert "rollout  " in out and "80%" in out  # idle = 1 - 0.2
+    assert "last batch" not in out  # these steps carry no batch timings
+
+
+def test_the_idle_panel_says_where_the_last_batch_spent_its_time():
+    st = RunState(run_id="demo")
+    st.fold(step(1, 1.0, gen_span_s=4.9, tail_s=3.0, ready_age_s=0.25))
+    out = text_of(Group(*render_panels(st, now=2.0)))
+    assert (
+        "last batch: generated in 4.90 s, its slowest answers 3.00 s of it, then waited 0.25 s "
+        "for the trainer"
+    ) in " ".join(out.replace("│", " ").split())
+    assert batch_line({"gen_span_s": 1.0}) == "last batch: generated in 1.00 s"
+    assert batch_line({"wait_s": 1.0}) is None and batch_line(None) is None
 
 
 def test_live_layout_renders():
