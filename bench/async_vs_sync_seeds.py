@@ -23,7 +23,10 @@ could give at best, over the whole run:
   perfect overlap of the two roles' work would give, with each role as fast as it was alone;
 - async wait: the share of the async run's wall time its trainer waited for a batch;
 - async ms/tok: the async trainer's time per trained token over the sync trainer's (above 1:
-  it trains slower while the rollout and the other processes run beside it).
+  it trains slower while the rollout and the other processes run beside it);
+- waited steps, and the batch tail (`tail_s`: how long a batch's slowest answers held it after
+  half its tasks were done) in those steps against all of the run's steps: whether the waits
+  come from long tails ("-" for curves written before the bench kept `tail_s`).
 
     python bench/async_vs_sync_seeds.py bench/results/async_vs_sync_s*.md
 """
@@ -74,6 +77,9 @@ def step_at(curves: dict[str, list[dict]], mode: str, t: float | None) -> int | 
     return int(min(recs, key=lambda r: abs(float(r["wall_s"]) - t))["step"])
 
 
+WAITED_S = 0.05  # a step whose trainer waited longer than this for its batch "waited"
+
+
 def throughput(curves: dict[str, list[dict]], sync: str, mode: str) -> list[str] | None:
     """The throughput row of `mode` against `sync` (see the module doc), None without the
     per-step timings in the curves."""
@@ -92,12 +98,22 @@ def throughput(curves: dict[str, list[dict]], sync: str, mode: str) -> list[str]
         return None
     ceiling = s_wall / max(s_train, s_wall - s_train)
     speed = (a_tok / a_wall) / (s_tok / s_wall)
+    waited = [r for r in a if float(r["wait_s"]) > WAITED_S]
+    tails = [float(r["tail_s"]) for r in a if r.get("tail_s") is not None]
+    waited_tails = [float(r["tail_s"]) for r in waited if r.get("tail_s") is not None]
+    tail = (
+        f"{statistics.mean(waited_tails):.2f} / {statistics.mean(tails):.2f}"
+        if waited_tails and tails
+        else "-"
+    )
     return [
         f"{speed:.2f}x",
         f"{ceiling:.2f}x",
         f"{speed / ceiling:.0%}",
         f"{tot(a, 'wait_s') / a_wall:.0%}",
         f"{(a_train / a_tok) / (s_train / s_tok):.2f}",
+        f"{len(waited)} of {len(a)}",
+        tail,
     ]
 
 
@@ -199,7 +215,8 @@ def main() -> int:
     if flows:
         print()
         cols = ["seed", "fastest sync", "async mode", "trained tok/s", "ceiling"]
-        cols += ["of the ceiling", "async wait", "async ms/tok"]
+        cols += ["of the ceiling", "async wait", "async ms/tok", "waited steps"]
+        cols += ["tail s: waited / all steps"]
         print(md_table(cols, flows))
         print()
         for name, sp in speeds.items():

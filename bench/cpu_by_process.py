@@ -53,10 +53,13 @@ def sample(seen: dict[tuple[str, int], float]) -> None:
             seen[(role, int(pid))] = (int(fields[11]) + int(fields[12])) / TICK
 
 
-def latest_step(metrics: str) -> int:
-    """The highest step `metrics.jsonl` records so far (0 before the first)."""
+def latest_step(metrics: str, since: float = 0.0) -> int:
+    """The highest step `metrics.jsonl` records so far (0 before the first, and while the file
+    is one last written before `since`, wall clock: an earlier run's, before `--overwrite`)."""
     step = 0
     try:
+        if os.stat(metrics).st_mtime < since:
+            return 0
         with open(metrics) as f:
             for line in f:
                 try:
@@ -98,12 +101,12 @@ def main(argv: list[str]) -> int:
         return 2
     seen: dict[tuple[str, int], float] = {}
     marks: dict[int, tuple[float, dict[tuple[str, int], float]]] = {}
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.time()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while proc.poll() is None:
         sample(seen)
         if window is not None and metrics is not None and len(marks) < 2:
-            step = latest_step(metrics)
+            step = latest_step(metrics, since=started)
             for mark in window:
                 if step >= mark and mark not in marks:
                     marks[mark] = (time.monotonic(), dict(seen))

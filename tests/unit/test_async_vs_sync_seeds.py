@@ -151,7 +151,7 @@ def test_with_the_timings_each_run_is_set_against_the_overlap_ceiling(tmp_path):
         text=True,
         check=True,
     ).stdout
-    assert "| 0 | sync-pinned | async-η1 | 1.60x | 2.00x | 80% | 20% | 1.00 |" in out
+    assert "| 0 | sync-pinned | async-η1 | 1.60x | 2.00x | 80% | 20% | 1.00 | 60 of 60 | - |" in out
     assert (
         "- async-η1: trained tokens/s 1.60x the fastest sync (median; 1.60x-1.60x) against an "
         "overlap ceiling of 2.00x (median; 2.00x-2.00x)"
@@ -166,3 +166,40 @@ def test_with_the_timings_each_run_is_set_against_the_overlap_ceiling(tmp_path):
         check=True,
     ).stdout
     assert "trained tok/s" not in out
+
+
+def test_the_waits_are_set_against_the_batch_tails(tmp_path):
+    # async: the trainer waited in steps 2 and 4 only, whose batches had 1.0 s tails; the
+    # other steps' tails were 0.2 s: mean tail 1.0 s in the waited steps, 0.6 s over all four
+    p = tmp_path / "s0.md"
+    p.write_text(
+        report(
+            0,
+            ["| sync-pinned | 8.0 | 64 | 4.0 | 0.300 |", "| async-η1 | 5.0 | 102 | 3.0 | 0.300 |"],
+        )
+    )
+    sync = [
+        {"step": i, "wall_s": 2.0 * i, "train_s": 1.0, "wait_s": 1.0, "train_tokens": 100}
+        for i in range(1, 5)
+    ]
+    tails = {1: 0.2, 2: 1.0, 3: 0.2, 4: 1.0}
+    waits = {1: 0.0, 2: 0.5, 3: 0.01, 4: 0.5}
+    async_ = [
+        {
+            "step": i,
+            "wall_s": 1.25 * i,
+            "train_s": 1.0,
+            "wait_s": waits[i],
+            "train_tokens": 100,
+            "tail_s": tails[i],
+        }
+        for i in range(1, 5)
+    ]
+    p.with_suffix(".json").write_text(json.dumps({"sync-pinned": sync, "async-η1": async_}))
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "async_vs_sync_seeds.py"), str(p)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "| 2 of 4 | 1.00 / 0.60 |" in out

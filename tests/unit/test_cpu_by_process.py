@@ -70,3 +70,5 @@ def test_latest_step_skips_partial_lines(tmp_path):
     assert latest_step(str(m)) == 0  # not written yet
     m.write_text('{"step": 1}\n{"step": 2}\n{"ste')
     assert latest_step(str(m)) == 2
+    # an earlier run's file, not yet replaced by the one being measured: no step seen
+    assert latest_step(str(m), since=m.stat().st_mtime + 1) == 0
