@@ -18,6 +18,12 @@ from async_vs_sync_seeds import read_table  # noqa: E402
 COLS = "| mode | wall s | samples/s | t→target s | eval reward |"
 
 
+def pool(*reports: Path) -> str:
+    """What `bench/async_vs_sync_seeds.py` prints for these reports."""
+    cmd = [sys.executable, str(BENCH / "async_vs_sync_seeds.py"), *map(str, reports)]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+
+
 def report(seed: int, rows: list[str]) -> str:
     return "\n".join(
         [
@@ -74,12 +80,7 @@ def test_ratios_are_against_each_seeds_fastest_sync_and_pooled(tmp_path):
             ],
         )
     )
-    out = subprocess.run(
-        [sys.executable, str(BENCH / "async_vs_sync_seeds.py"), str(s0), str(s1)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = pool(s0, s1)
     assert "| 0 | sync-pinned, 100.0 s | 40.0 | 0.250 | async-η1 | 20.0 | **2.00x** |" in out
     assert "| 1 | sync-default, 90.0 s | 36.0 | 0.310 | async-η1 | 12.0 | **3.00x** |" in out
     assert "| async-η4 | not reached | n/a |" in out
@@ -109,12 +110,7 @@ def test_with_the_curves_the_ratio_splits_into_per_step_speed_and_steps(tmp_path
         "async-η1": [{"step": i, "wall_s": 1.0 * i} for i in range(1, 61)],
     }
     p.with_suffix(".json").write_text(json.dumps(curves))
-    out = subprocess.run(
-        [sys.executable, str(BENCH / "async_vs_sync_seeds.py"), str(p)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = pool(p)
     assert "| **1.60x** | 2.00x x 0.80 (20/25 steps) |" in out
     assert (
         "  - split over 1 seeds: per step 2.00x (median; 2.00x-2.00x) x steps to target "
@@ -145,12 +141,7 @@ def test_with_the_timings_each_run_is_set_against_the_overlap_ceiling(tmp_path):
 
     curves = {"sync-pinned": run(2.0, 1.0), "async-η1": run(1.25, 0.25)}
     p.with_suffix(".json").write_text(json.dumps(curves))
-    out = subprocess.run(
-        [sys.executable, str(BENCH / "async_vs_sync_seeds.py"), str(p)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = pool(p)
     assert "| 0 | sync-pinned | async-η1 | 1.60x | 2.00x | 80% | 20% | 1.00 | 60 of 60 | - |" in out
     assert (
         "- async-η1: trained tokens/s 1.60x the fastest sync (median; 1.60x-1.60x) against an "
@@ -159,12 +150,7 @@ def test_with_the_timings_each_run_is_set_against_the_overlap_ceiling(tmp_path):
     # without the timings (older curves), no throughput table
     curves = {m: [{"step": r["step"], "wall_s": r["wall_s"]} for r in c] for m, c in curves.items()}
     p.with_suffix(".json").write_text(json.dumps(curves))
-    out = subprocess.run(
-        [sys.executable, str(BENCH / "async_vs_sync_seeds.py"), str(p)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = pool(p)
     assert "trained tok/s" not in out
 
 
@@ -196,10 +182,5 @@ def test_the_waits_are_set_against_the_batch_tails(tmp_path):
         for i in range(1, 5)
     ]
     p.with_suffix(".json").write_text(json.dumps({"sync-pinned": sync, "async-η1": async_}))
-    out = subprocess.run(
-        [sys.executable, str(BENCH / "async_vs_sync_seeds.py"), str(p)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = pool(p)
     assert "| 2 of 4 | 1.00 / 0.60 |" in out
