@@ -80,9 +80,11 @@ def step_at(curves: dict[str, list[dict]], mode: str, t: float | None) -> int | 
 WAITED_S = 0.05  # a step whose trainer waited longer than this for its batch "waited"
 
 
-def throughput(curves: dict[str, list[dict]], sync: str, mode: str) -> list[str] | None:
-    """The throughput row of `mode` against `sync` (see the module doc), None without the
-    per-step timings in the curves."""
+def throughput(
+    curves: dict[str, list[dict]], sync: str, mode: str
+) -> tuple[float, float, list[str]] | None:
+    """`mode` against `sync` (see the module doc): its trained tokens/s ratio, the ceiling and
+    the table cells; None without the per-step timings in the curves."""
     s, a = curves.get(sync) or [], curves.get(mode) or []
     keys = ("wall_s", "train_s", "wait_s", "train_tokens")
     if not s or not a or any(k not in r for r in (s[-1], a[-1]) for k in keys):
@@ -106,15 +108,19 @@ def throughput(curves: dict[str, list[dict]], sync: str, mode: str) -> list[str]
         if waited_tails and tails
         else "-"
     )
-    return [
-        f"{speed:.2f}x",
-        f"{ceiling:.2f}x",
-        f"{speed / ceiling:.0%}",
-        f"{tot(a, 'wait_s') / a_wall:.0%}",
-        f"{(a_train / a_tok) / (s_train / s_tok):.2f}",
-        f"{len(waited)} of {len(a)}",
-        tail,
-    ]
+    return (
+        speed,
+        ceiling,
+        [
+            f"{speed:.2f}x",
+            f"{ceiling:.2f}x",
+            f"{speed / ceiling:.0%}",
+            f"{tot(a, 'wait_s') / a_wall:.0%}",
+            f"{(a_train / a_tok) / (s_train / s_tok):.2f}",
+            f"{len(waited)} of {len(a)}",
+            tail,
+        ],
+    )
 
 
 def num(cell: str) -> float | None:
@@ -153,10 +159,11 @@ def main() -> int:
                 ratios.setdefault(name, []).append(ratio)
             if d_eval is not None:
                 evals.setdefault(name, []).append(d_eval)
-            if (row := throughput(curves, sname, name)) is not None:
-                flows.append([seed_of(path), sname, name, *row])
-                speeds.setdefault(name, []).append(float(row[0].rstrip("x")))
-                ceilings.setdefault(name, []).append(float(row[1].rstrip("x")))
+            if (flow := throughput(curves, sname, name)) is not None:
+                speed, ceiling, cells = flow
+                flows.append([seed_of(path), sname, name, *cells])
+                speeds.setdefault(name, []).append(speed)
+                ceilings.setdefault(name, []).append(ceiling)
             a_step = step_at(curves, name, a_ttt)
             split = "n/a"
             if ratio is not None and s_step and a_step:
