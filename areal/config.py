@@ -353,6 +353,12 @@ class RolloutSettings(_Part):
         description="min seconds between mid-batch weight switches (each re-prefills "
         "the batch); 0 = switch at every new version",
     )
+    needed_first: bool = Field(
+        True,
+        description="while the trainer's next batch has samples left to generate on a worker, "
+        "start no task of a later batch there: its slowest answers decode alone and the "
+        "trainer's wait for them ends sooner (async runs; no effect at max_staleness 0)",
+    )
     max_concurrent_tasks: int = Field(4, ge=1, description="tasks one rollout worker holds at once")
     max_batch_size: int = Field(
         64, ge=1, description="sequences decoded together (continuous batch)"

@@ -60,11 +60,13 @@ class RolloutView(_View):
     reward_fn: str  # eval rounds are scored by the run's reward function...
     reward_timeout_s: float  # ...with its per-sample timeout
     group_size: int  # G: a task must ask for this many samples
+    max_staleness: int  # η: which admitted batch the trainer takes next (rollout.needed_first)
 
     @classmethod
     def of(cls, s: RunSettings) -> RolloutView:
         return cls(
             group_size=s.algo.group_size,
+            max_staleness=s.algo.max_staleness,
             seed=s.seed,
             model=s.model,
             rollout=s.rollout,

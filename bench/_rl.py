@@ -44,13 +44,19 @@ LONG_WORKLOAD = (
 )
 
 
-def pin_roles(rollout: set[int], trainer: set[int], others: set[int] | None = None) -> list[str]:
+def pin_roles(
+    rollout: set[int],
+    trainer: set[int],
+    others: set[int] | None = None,
+    moved: dict[str, set[int]] | None = None,
+) -> list[str]:
     """The `cpu_affinity` override that puts the rollout workers on `rollout`, the trainer on
     `trainer`, and the controller, reward workers, launcher and (embedded) nats-server on
-    `others` (None: where the OS puts them)."""
+    `others` (None: where the OS puts them), except the roles `moved` names (e.g. {"reward":
+    {0}})."""
     from areal.proc import format_cpu_list
 
-    roles = {"rollout": rollout, "trainer": trainer, "other": others}
+    roles = {"rollout": rollout, "trainer": trainer, **(moved or {}), "other": others}
     spec = ", ".join(f"{k}: '{format_cpu_list(v)}'" for k, v in roles.items() if v)
     return [f"cpu_affinity={{{spec}}}"]
 

@@ -23,7 +23,11 @@ Modes:
 - async-η1-int-ffd-unpinned: η = 1 as plain `areal run` starts it (no pinning, 1 thread per
   role); async-η1-int-ffd-others-rollout: η = 1 pinned, with the other processes on the
   rollout's core whatever `--others-core` says; async-η1-int-ffd-others-free: η = 1 pinned,
-  with the other processes free to run on either core.
+  with the other processes free to run on either core; async-η1-int-ffd-needed-first: η = 1
+  pinned, with `rollout.needed_first` (the trainer's next batch is generated before a later one;
+  the default, where every other async mode here sets it false: the order earlier pools ran with),
+  and the same with the other processes on the rollout's core, or with only the nats-server and
+  the reward worker there (`-nats-reward-rollout`).
 Async (and sync-pinned) runs give the rollout core 0 and the trainer core 1; the controller,
 reward, launcher and nats-server go on the trainer's core (`--others-core trainer`, default: the
 rollout is the busier role) or the rollout's, by the run's `cpu_affinity` setting (the launcher
@@ -92,6 +96,8 @@ class Mode:
     pinned: bool
     threads: int = 1
     others: set[int] | None = None  # pinned: core of the other processes (None: --others-core)
+    extra: list[str] = field(default_factory=list)  # overrides of this mode alone
+    moved: dict[str, set[int]] = field(default_factory=dict)  # pinned: other roles' own cores
     overrides: list[str] = field(default_factory=list)
 
     @property
@@ -110,15 +116,18 @@ class Mode:
         others = self.others_cores()
         if others == BOTH_CORES:
             return "pinned 1+1, others free"
-        return "pinned 1+1" + (", others on rollout's" if others == ROLLOUT_CORE else "")
+        moved = "".join(f", {r} on rollout's" for r, c in self.moved.items() if c == ROLLOUT_CORE)
+        return "pinned 1+1" + (", others on rollout's" if others == ROLLOUT_CORE else moved)
 
     def cores(self) -> str:
         if not self.pinned:
             return f"all {os.cpu_count()} (no pinning), torch {self.threads} threads per role"
         others = self.others_cores()
+        moved = "".join(f"{r} -> core {min(c)}, " for r, c in self.moved.items())
         return (
-            f"rollout -> core {min(ROLLOUT_CORE)}, trainer -> core {min(TRAINER_CORE)}, "
-            "controller/reward/launcher/nats -> "
+            f"rollout -> core {min(ROLLOUT_CORE)}, trainer -> core {min(TRAINER_CORE)}, {moved}"
+            + ("the rest" if moved else "controller/reward/launcher/nats")
+            + " -> "
             + (f"core {min(others)}" if len(others) == 1 else f"cores {sorted(others)}")
         )
 
@@ -157,6 +166,32 @@ def build_modes(subset: bool) -> list[Mode]:
             others=BOTH_CORES,
         )
     )
+    # η = 1 with the rollout finishing the trainer's next batch before it starts a later one;
+    # and so with the other processes on the rollout's core (it then waits more, the trainer less)
+    needed = ["rollout.needed_first=true"]
+    modes.append(Mode("async-η1-int-ffd-needed-first", 1, True, "ffd", pinned=True, extra=needed))
+    modes.append(
+        Mode(
+            "async-η1-int-ffd-needed-first-others-rollout",
+            1,
+            True,
+            "ffd",
+            pinned=True,
+            others=ROLLOUT_CORE,
+            extra=needed,
+        )
+    )
+    modes.append(
+        Mode(
+            "async-η1-int-ffd-needed-first-nats-reward-rollout",
+            1,
+            True,
+            "ffd",
+            pinned=True,
+            extra=needed,
+            moved={"nats": ROLLOUT_CORE, "reward": ROLLOUT_CORE},
+        )
+    )
     for m in modes:
         m.overrides = [
             *LONG_WORKLOAD,
@@ -165,6 +200,10 @@ def build_modes(subset: bool) -> list[Mode]:
             f"train.packing={m.packing}",
             f"rollout.torch_threads={m.threads}",
             f"train.torch_threads={m.threads}",
+            # the matrix keeps the first-come order its earlier pools ran with; the
+            # -needed-first modes set the default
+            "rollout.needed_first=false",
+            *m.extra,
         ]
     return modes
 
@@ -281,7 +320,7 @@ def gen_len_note(results: dict[str, RunResult]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="30 steps, the --subset modes")
-    ap.add_argument("--subset", action="store_true", help="11 modes instead of 21")
+    ap.add_argument("--subset", action="store_true", help="16 modes instead of 26")
     ap.add_argument("--steps", type=int, help="train.total_steps per run (default 60)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -349,8 +388,8 @@ def main() -> int:
             print(f"\n[{m.name}] cores: {m.cores()}; load {cpu_load()}", flush=True)
             ov = m.overrides
             if m.pinned:
-                ov = [*ov, *pin_roles(ROLLOUT_CORE, TRAINER_CORE, m.others_cores())]
-            pin_pid(server.proc.pid, m.others_cores())
+                ov = [*ov, *pin_roles(ROLLOUT_CORE, TRAINER_CORE, m.others_cores(), m.moved)]
+            pin_pid(server.proc.pid, m.moved.get("nats", m.others_cores()))
             r = run_areal(m.name, CONFIG, Path(tmp) / run_id, server.url, run_id, ov)
             r.eval_reward = eval_final(r, CONFIG, m.overrides)
             cmds.append(("# pinned: " if m.pinned else "# unpinned: ") + show_cmd(r.cmd))

@@ -28,6 +28,13 @@ could give at best, over the whole run:
   half its tasks were done) in those steps against all of the run's steps: whether the waits
   come from long tails ("-" for curves written before the bench kept `tail_s`).
 
+Last, the learning curves averaged over the seeds: per step, the mean reward of the fastest sync
+runs and of each async mode's runs, and their mean trainer wall time. On those mean curves the
+same rule (target: 90% of the sync curve's last-10-step mean; time to target: wall time of the
+first step from 10 on whose rolling 10-step mean reaches it) gives one time to target per mode,
+with the seed noise in each crossing averaged out rather than taken a median of; a bootstrap
+over seeds (seeds drawn with replacement, 2000 draws) gives its 90% interval.
+
     python bench/async_vs_sync_seeds.py bench/results/async_vs_sync_s*.md
 """
 
@@ -36,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import re
 import statistics
 import sys
@@ -123,6 +131,50 @@ def throughput(
     )
 
 
+def rolling(xs: list[float], k: int = 10) -> list[float]:
+    return [statistics.mean(xs[max(0, i - k + 1) : i + 1]) for i in range(len(xs))]
+
+
+def mean_curve(runs: list[list[dict]]) -> tuple[list[float], list[float]]:
+    """Per step over the runs' common steps: (mean reward, mean trainer wall time)."""
+    n = min(len(r) for r in runs)
+    reward = [statistics.mean(float(r[i]["reward_mean"]) for r in runs) for i in range(n)]
+    wall = [statistics.mean(float(r[i]["wall_s"]) for r in runs) for i in range(n)]
+    return reward, wall
+
+
+def mean_curve_ttt(
+    sync_runs: list[list[dict]], runs: list[list[dict]], k: int = 10
+) -> tuple[float, float | None, float | None, int | None, int | None]:
+    """On the seed-mean curves: (target, sync time to it, `runs`' time to it, and the steps)."""
+    s_reward, s_wall = mean_curve(sync_runs)
+    target = 0.9 * statistics.mean(s_reward[-k:])
+
+    def cross(reward: list[float], wall: list[float]) -> tuple[float | None, int | None]:
+        for i, m in enumerate(rolling(reward, k)):
+            if m >= target and i + 1 >= k:
+                return wall[i], i + 1
+        return None, None
+
+    s_t, s_step = cross(s_reward, s_wall)
+    a_t, a_step = cross(*mean_curve(runs))
+    return target, s_t, a_t, s_step, a_step
+
+
+def bootstrap_ratio(
+    sync_runs: list[list[dict]], runs: list[list[dict]], draws: int = 2000, seed: int = 0
+) -> tuple[float, float] | None:
+    """90% interval of the seed-mean time-to-target ratio, seeds drawn with replacement (the
+    sync and async runs of one seed stay together)."""
+    rng, n, out = random.Random(seed), len(runs), []
+    for _ in range(draws):
+        pick = [rng.randrange(n) for _ in range(n)]
+        _, s_t, a_t, _, _ = mean_curve_ttt([sync_runs[i] for i in pick], [runs[i] for i in pick])
+        out.append(s_t / a_t if s_t and a_t else 0.0)  # not reached: counts as no gain
+    out.sort()
+    return out[int(0.05 * draws)], out[int(0.95 * draws) - 1]
+
+
 def num(cell: str) -> float | None:
     try:
         return float(cell)
@@ -138,6 +190,7 @@ def main() -> int:
     flows: list[list[str]] = []
     speeds: dict[str, list[float]] = {}
     ceilings: dict[str, list[float]] = {}
+    paired: dict[str, tuple[list[list[dict]], list[list[dict]]]] = {}  # mode -> sync, async runs
     for path in args.reports:
         table = read_table(path)
         curves_path = path.with_suffix(".json")
@@ -159,6 +212,14 @@ def main() -> int:
                 ratios.setdefault(name, []).append(ratio)
             if d_eval is not None:
                 evals.setdefault(name, []).append(d_eval)
+            if (
+                curves.get(sname)
+                and curves.get(name)
+                and all("reward_mean" in r for r in [*curves[sname], *curves[name]])
+            ):
+                pair = paired.setdefault(name, ([], []))
+                pair[0].append(curves[sname])
+                pair[1].append(curves[name])
             if (flow := throughput(curves, sname, name)) is not None:
                 speed, ceiling, cells = flow
                 flows.append([seed_of(path), sname, name, *cells])
@@ -233,6 +294,29 @@ def main() -> int:
                 f"(median; {min(sp):.2f}x-{max(sp):.2f}x) against an overlap ceiling of "
                 f"{statistics.median(ce):.2f}x (median; {min(ce):.2f}x-{max(ce):.2f}x)"
             )
+    if paired:
+        print()
+        rows = []
+        for name, (sync_runs, runs) in paired.items():
+            target, s_t, a_t, s_step, a_step = mean_curve_ttt(sync_runs, runs)
+            ratio = f"**{s_t / a_t:.2f}x**" if s_t and a_t else "n/a"
+            ci = bootstrap_ratio(sync_runs, runs) if len(runs) > 1 else None
+            rows.append(
+                [
+                    name,
+                    str(len(runs)),
+                    f"{target:.3f}",
+                    f"{s_t:.1f} (step {s_step})" if s_t else "not reached",
+                    f"{a_t:.1f} (step {a_step})" if a_t else "not reached",
+                    ratio,
+                    f"{ci[0]:.2f}x-{ci[1]:.2f}x" if ci else "-",
+                ]
+            )
+        cols = ["async mode", "seeds", "target", "sync t→target s", "async t→target s"]
+        cols += ["time-to-target", "90% interval (bootstrap over seeds)"]
+        print("Seed-mean learning curves (mean reward and mean wall time per step):")
+        print()
+        print(md_table(cols, rows))
     return 0
 
 

@@ -109,7 +109,10 @@ def build(parts: RolloutParts, bus: Bus) -> RolloutService:
         parts.decode_text,
         parts.params,
         policy=SchedulerPolicy(
-            interruptible=r.interruptible, interrupt_min_interval_s=r.interrupt_min_interval_s
+            interruptible=r.interruptible,
+            interrupt_min_interval_s=r.interrupt_min_interval_s,
+            needed_first=r.needed_first,
+            max_staleness=v.max_staleness,
         ),
         max_concurrent_tasks=r.max_concurrent_tasks,
         evaluator=Evaluator(parts.eval_plan) if parts.eval_plan is not None else None,

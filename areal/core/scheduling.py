@@ -17,7 +17,17 @@ Invariants:
   with the task and settled when the task's samples are all published (acking it at once would
   lose the task if this worker then died);
 - every handle given to `on_task` comes back exactly once, from `sample_published` (ack) or
-  `task_failed` (hand back).
+  `task_failed` (hand back);
+- needed first (`SchedulerPolicy.needed_first`): while a task the trainer needs for its next
+  batch still has a sample to generate here, no request of a later batch starts. With weights v
+  loaded (or switched to at this boundary), the trainer's next batch is the one admitted at a
+  version `<= v - max_staleness` (admission lets batch k in at version k - η), so those tasks'
+  requests start (in queue order, wherever they are in the queue) and the others wait until
+  every such task has all its samples generated (`sample_generated`). The trainer waits for
+  that batch's slowest answers; decoding them alone, not beside the next batch's rows, ends
+  that wait sooner. It never holds a request of a needed task, so it cannot stall: the held
+  requests start when the last needed sample here finishes. With `max_staleness: 0` every task
+  is needed: nothing changes.
 """
 
 from __future__ import annotations
@@ -37,6 +47,8 @@ W = TypeVar("W")
 class SchedulerPolicy:
     interruptible: bool
     interrupt_min_interval_s: float = 0.0
+    needed_first: bool = False  # the trainer's next batch before later ones (invariants)
+    max_staleness: int = 0  # η, which says which batch is the trainer's next (needed_first)
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,8 @@ class Joined(Enum):
 @dataclass
 class _Task(Generic[H]):
     remaining: set[int]  # sample indices not yet published
+    admitted_version: int
+    ungenerated: set[int]  # sample indices queued or being generated here
     handles: list[H] = field(default_factory=list)
 
 
@@ -78,12 +92,20 @@ class Scheduler(Generic[H, W]):
         if task is not None:
             task.handles.append(handle)
             return Joined.ADOPTED
-        self.tasks[task_id] = _Task(set(range(group_size)), [handle])
+        indices = set(range(group_size))
+        self.tasks[task_id] = _Task(indices, admitted_version, set(indices), [handle])
         self.queue.extend(Request(task_id, i, admitted_version) for i in range(group_size))
         return Joined.NEW
 
     def is_active(self, task_id: str) -> bool:
         return task_id in self.tasks
+
+    def sample_generated(self, task_id: str, index: int) -> None:
+        """Generating thread: sample `index` of `task_id` has finished generating (it may not be
+        published yet); the `needed_first` hold ends with a batch's last such sample."""
+        task = self.tasks.get(task_id)
+        if task is not None:
+            task.ungenerated.discard(index)
 
     def sample_published(self, task_id: str, index: int) -> list[H]:
         """Sample `index` of `task_id` is on the bus; returns the task's handles once all G
@@ -93,6 +115,7 @@ class Scheduler(Generic[H, W]):
         if task is None:
             return []
         task.remaining.discard(index)
+        task.ungenerated.discard(index)
         if task.remaining:
             return []
         del self.tasks[task_id]
@@ -154,16 +177,34 @@ class Scheduler(Generic[H, W]):
 
         Not interruptible with an update pending: none (the batch drains, then switches).
         Otherwise requests whose admission version is loaded, or is being switched to at this
-        boundary (interruptible, pending, switch allowed now), in queue order.
+        boundary (interruptible, pending, switch allowed now), in queue order; with
+        `needed_first`, only those of the trainer's next batch while it has samples to generate
+        here (the module invariants).
         """
         if self.pending is not None and not self.policy.interruptible:
             return []
         ready = self.version
         if self.pending is not None and self._may_switch(now):
             ready = max(ready, self.pending[0])
+        needed = self.needed_limit(ready)
+        if needed is not None:  # pick the needed requests out, wherever they are queued
+            out = [r for r in self.queue if r.admitted_version <= needed][:max_n]
+            taken = set(out)
+            self.queue = deque(r for r in self.queue if r not in taken)
+            return out
         out: list[Request] = []
         while self.queue and self.queue[0].admitted_version <= ready:
             if max_n is not None and len(out) >= max_n:
                 break
             out.append(self.queue.popleft())
         return out
+
+    def needed_limit(self, ready: int) -> int | None:
+        """With `needed_first` and weights `ready`: the newest admission version of the
+        trainer's next batch, while a task of it has samples to generate here; else None."""
+        if not self.policy.needed_first:
+            return None
+        limit = ready - self.policy.max_staleness
+        if any(t.ungenerated and t.admitted_version <= limit for t in self.tasks.values()):
+            return limit
+        return None

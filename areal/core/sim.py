@@ -86,6 +86,7 @@ class SimConfig:
     seed: int = 0
     interruptible: bool = True
     interrupt_min_interval: float = 0.0  # in events
+    needed_first: bool = False  # SchedulerPolicy.needed_first
     checkpoint_every: int = 1
     filter_zero_adv: bool = False
     ack_wait: int = 40  # events after a delivery before the message may come back
@@ -163,7 +164,12 @@ class Sim:
         self.announced: list[int] = []
         self.ckpt_disk: CheckpointState | None = None
         self.adm_policy = AdmissionPolicy(cfg.batch_size, cfg.max_staleness, cfg.total_steps)
-        self.sched_policy = SchedulerPolicy(cfg.interruptible, cfg.interrupt_min_interval)
+        self.sched_policy = SchedulerPolicy(
+            cfg.interruptible,
+            cfg.interrupt_min_interval,
+            needed_first=cfg.needed_first,
+            max_staleness=cfg.max_staleness,
+        )
         self.intake_policy = IntakePolicy(
             cfg.batch_size, cfg.group_size, cfg.max_staleness, cfg.filter_zero_adv
         )
@@ -274,6 +280,7 @@ class Sim:
         done = [g for g in w.running if len(g.versions) >= g.length]
         w.running = [g for g in w.running if len(g.versions) < g.length]
         for g in done:
+            s.sample_generated(g.task_id, g.index)
             group = w.finished.setdefault(g.task_id, {})
             group[g.index] = self._scored(g, w.name)
             if len(group) < self.cfg.group_size:

@@ -9,6 +9,7 @@ here independently with a plain forward pass).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -53,6 +54,19 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
+def rollout_service(bus, engine, tok, policy: SchedulerPolicy, max_tasks: int) -> RolloutService:
+    params = SamplingParams(max_new_tokens=N_TOKENS, temperature=1.0, stop_token_ids=())
+    return RolloutService(
+        bus,
+        engine,
+        lambda ids: tok.decode(ids),
+        params,
+        policy=policy,
+        max_concurrent_tasks=max_tasks,
+        weights_from_bytes=weights_from_safetensors,
+    )
+
+
 async def run_one_sample(nats_url, run_id, model_dir, interruptible: bool):
     torch.manual_seed(0)
     old = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -63,16 +77,7 @@ async def run_one_sample(nats_url, run_id, model_dir, interruptible: bool):
     tok = load_tokenizer(model_dir)
     bus = await Bus.connect(nats_url, run_id, "rollout", "rollout-0")
     engine = SlowEngine(InferenceEngineConfig(kind="torch", model_path=str(model_dir), seed=0))
-    params = SamplingParams(max_new_tokens=N_TOKENS, temperature=1.0, stop_token_ids=())
-    svc = RolloutService(
-        bus,
-        engine,
-        lambda ids: tok.decode(ids),
-        params,
-        policy=SchedulerPolicy(interruptible=interruptible),
-        max_concurrent_tasks=1,
-        weights_from_bytes=weights_from_safetensors,
-    )
+    svc = rollout_service(bus, engine, tok, SchedulerPolicy(interruptible=interruptible), 1)
     samples: list[Sample] = []
 
     async def on_sample(msg):
@@ -137,3 +142,78 @@ async def test_non_interruptible_finishes_on_the_old_weights(nats_url, run_id, m
     assert s.n_interrupts == 0
     behav = torch.from_numpy(unpack(s.behav_logp).copy())
     torch.testing.assert_close(behav, token_logps(old, prompt, out), atol=1e-4, rtol=0)
+
+
+class RecordingEngine(TorchInferenceEngine):
+    """Records which requests each decode step ran together; holds at step 5 until released."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.steps: list[set[str]] = []
+        self.release = threading.Event()
+
+    def _decode(self, batch, tokens):
+        self.steps.append({r.req.key for r in batch.rows})
+        if len(self.steps) == 5:
+            assert self.release.wait(60), "the test never released the engine"
+        return super()._decode(batch, tokens)
+
+
+async def test_needed_first_decodes_the_next_batch_before_a_later_one(nats_url, run_id, model_dir):
+    # η = 1: once v1 exists the trainer's next batch is t0 (admitted at v0); t1 (admitted at
+    # v1) must not decode beside it, and starts once t0's sample is generated
+    tok = load_tokenizer(model_dir)
+    bus = await Bus.connect(nats_url, run_id, "rollout", "rollout-0")
+    engine = RecordingEngine(InferenceEngineConfig(kind="torch", model_path=str(model_dir), seed=0))
+    policy = SchedulerPolicy(interruptible=True, needed_first=True, max_staleness=1)
+    svc = rollout_service(bus, engine, tok, policy, 2)
+    samples: list[Sample] = []
+
+    async def on_sample(msg):
+        samples.extend(decode(msg.data, SampleGroup).samples)
+
+    raw = await connect(nats_url, "test-raw")
+    await raw.subscribe(bus.names.subject(S.TRAJECTORIES), cb=on_sample)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(svc.run(stop))
+    prompt = tok.encode("12+34=", add_special_tokens=False)
+
+    def task(i: int, version: int) -> Task:
+        return Task(
+            task_id=f"{run_id}-t{i}",
+            seq=i,
+            dataset_index=i,
+            prompt="12+34=",
+            prompt_ids=pack(prompt, "int32"),
+            answer="46",
+            group_size=1,
+            admitted_version=version,
+        )
+
+    await bus.publish(S.PROMPTS, task(0, 0))
+    while len(engine.steps) < 5:  # t0 generates, and the engine holds at its 5th token
+        await asyncio.sleep(0.005)
+    from safetensors.torch import save
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    await bus.put_weights(1, save(export_state_dict(model)), "float32", step=1)
+    await bus.publish(S.PROMPTS, task(1, 1))
+    # t1 and v1 are both in hand while t0 is still generating: then let the engine go on
+    while f"{run_id}-t1" not in svc.sched.tasks or svc.sched.known_version < 1:
+        await asyncio.sleep(0.005)
+    engine.release.set()
+    while len(samples) < 2:
+        await asyncio.sleep(0.02)
+    stop.set()
+    await runner
+    await bus.close()
+    await raw.close()
+    t0, t1 = f"{run_id}-t0/0", f"{run_id}-t1/0"
+    with_t0 = [i for i, keys in enumerate(engine.steps) if t0 in keys]
+    with_t1 = [i for i, keys in enumerate(engine.steps) if t1 in keys]
+    assert with_t0 and with_t1
+    assert max(with_t0) < min(with_t1)  # never decoded together: t1 started after t0 ended
+    by_id = {s.task_id: s for s in samples}
+    assert set(unpack(by_id[f"{run_id}-t0"].versions).tolist()) == {0, 1}  # switched mid-sample
+    assert set(unpack(by_id[f"{run_id}-t1"].versions).tolist()) == {1}
+    assert len(unpack(by_id[f"{run_id}-t0"].output_ids)) == N_TOKENS

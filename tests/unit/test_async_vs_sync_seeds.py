@@ -184,3 +184,34 @@ def test_the_waits_are_set_against_the_batch_tails(tmp_path):
     p.with_suffix(".json").write_text(json.dumps({"sync-pinned": sync, "async-η1": async_}))
     out = pool(p)
     assert "| 2 of 4 | 1.00 / 0.60 |" in out
+
+
+def test_seed_mean_curves_give_one_time_to_target(tmp_path):
+    # per step i (1-30) the two seeds' rewards are i/30 + 0.1 and i/30 - 0.1: their mean is i/30
+    # in both modes. Target 0.9 x the sync curve's last 10 (mean 25.5/30) = 0.765; the rolling
+    # 10-step mean (i - 4.5)/30 reaches it at step 28: sync (2 s a step) 56 s, async (1 s) 28 s
+    for seed, shift in ((0, 0.1), (1, -0.1)):
+        p = tmp_path / f"s{seed}.md"
+        p.write_text(
+            report(
+                seed,
+                [
+                    "| sync-pinned | 60.0 | 64 | 40.0 | 0.300 |",
+                    "| async-η1 | 30.0 | 128 | 25.0 | 0.300 |",
+                ],
+            )
+        )
+
+        def run(step_s: float, shift: float = shift) -> list[dict]:
+            return [
+                {"step": i, "wall_s": step_s * i, "reward_mean": i / 30 + shift}
+                for i in range(1, 31)
+            ]
+
+        p.with_suffix(".json").write_text(
+            json.dumps({"sync-pinned": run(2.0), "async-η1": run(1.0)})
+        )
+    out = pool(tmp_path / "s0.md", tmp_path / "s1.md")
+    assert (
+        "| async-η1 | 2 | 0.765 | 56.0 (step 28) | 28.0 (step 28) | **2.00x** | 2.00x-2.00x |"
+    ) in out

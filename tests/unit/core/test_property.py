@@ -75,6 +75,7 @@ def settle(sim: Sim) -> None:
     n_events=st.integers(min_value=1, max_value=300),
     interruptible=st.booleans(),
     interval=st.sampled_from([0.0, 5.0]),
+    needed_first=st.booleans(),
     checkpoint_every=st.integers(min_value=1, max_value=2),
     filter_zero_adv=st.booleans(),
     dedup_window=st.sampled_from([None, 30]),
@@ -94,6 +95,7 @@ def test_invariants_hold_after_every_event(
     n_events: int,
     interruptible: bool,
     interval: float,
+    needed_first: bool,
     checkpoint_every: int,
     filter_zero_adv: bool,
     dedup_window: int | None,
@@ -116,6 +118,7 @@ def test_invariants_hold_after_every_event(
         seed=seed,
         interruptible=interruptible,
         interrupt_min_interval=interval,
+        needed_first=needed_first,
         checkpoint_every=checkpoint_every,
         filter_zero_adv=filter_zero_adv and group_size > 1,  # G = 1: every group filtered
         sample_dedup_window=dedup_window,
@@ -130,11 +133,20 @@ def test_invariants_hold_after_every_event(
 FAULTY = Faults(0.05, 0.05, 0.05, engine_failure=0.02, duplicate=0.2, lost_ack=0.1, poison=0.05)
 
 
+@pytest.mark.parametrize("needed_first", [False, True])
 @pytest.mark.parametrize(("max_staleness", "batch_size"), [(0, 1), (0, 4), (2, 2), (4, 4)])
-def test_sim_makes_progress(max_staleness: int, batch_size: int) -> None:
+def test_sim_makes_progress(max_staleness: int, batch_size: int, needed_first: bool) -> None:
     # liveness without faults: 10 steps well within 3000 events for every seed here
     for seed in range(5):
-        sim = Sim(SimConfig(max_staleness, batch_size, n_workers=2, total_steps=10, seed=seed))
+        cfg = SimConfig(
+            max_staleness,
+            batch_size,
+            n_workers=2,
+            total_steps=10,
+            seed=seed,
+            needed_first=needed_first,
+        )
+        sim = Sim(cfg)
         assert sim.run_to_completion(3000), f"seed {seed} stuck at {sim.kv_trainer.version}"
 
 

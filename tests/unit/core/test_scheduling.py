@@ -82,3 +82,55 @@ def test_interrupt_min_interval_rate_limits_switches() -> None:
     # at 110 (10 s since): allowed
     assert s.take_requests(110.0) == [Request("t0", 0, 2)]
     assert s.switch_at_boundary(110.0) == (2, "w2")
+
+
+NEEDED_FIRST = SchedulerPolicy(interruptible=True, needed_first=True, max_staleness=1)
+
+
+def test_needed_first_holds_the_next_batch_until_the_needed_one_is_generated() -> None:
+    # η = 1: at v1 the trainer's next batch is the one admitted at v0 (t0); t1 (admitted at v1)
+    # waits while a sample of t0 is still generating here, even a published-later one
+    s: Scheduler[str, str] = Scheduler(NEEDED_FIRST)
+    s.on_task("t0", 2, 0, "a")
+    assert s.take_requests(0.0) == [Request("t0", 0, 0), Request("t0", 1, 0)]
+    s.offer_weights(1, "w1")
+    s.on_task("t1", 2, 1, "b")
+    assert s.needed_limit(1) == 0
+    assert s.take_requests(1.0) == []  # v1 is switched to here, but t0 is still generating
+    assert s.switch_at_boundary(1.0) == (1, "w1")
+    s.sample_generated("t0", 1)
+    assert s.take_requests(2.0) == []  # t0/0 still generates
+    s.sample_generated("t0", 0)  # generated, not yet published: the hold ends all the same
+    assert s.needed_limit(1) is None
+    assert s.take_requests(3.0) == [Request("t1", 0, 1), Request("t1", 1, 1)]
+
+
+def test_needed_first_starts_needed_requests_queued_behind_later_ones() -> None:
+    # a needed task queued after a later one (e.g. redelivered) is picked out of the queue, so
+    # the hold can never wait on a request it holds itself
+    s: Scheduler[str, str] = Scheduler(NEEDED_FIRST, version=2)
+    s.on_task("late", 1, 2, "a")
+    s.on_task("old", 2, 1, "b")
+    assert s.take_requests(0.0, max_n=1) == [Request("old", 0, 1)]
+    assert s.take_requests(0.0) == [Request("old", 1, 1)]
+    assert [r.key for r in s.queue] == ["late/0"]
+    s.sample_generated("old", 0)
+    s.sample_generated("old", 1)
+    assert s.take_requests(0.0) == [Request("late", 0, 2)]
+
+
+def test_needed_first_ends_when_a_needed_task_fails_or_is_off() -> None:
+    s: Scheduler[str, str] = Scheduler(NEEDED_FIRST, version=1)
+    s.on_task("t0", 1, 0, "a")
+    s.on_task("t1", 1, 1, "b")
+    assert s.take_requests(0.0) == [Request("t0", 0, 0)]
+    assert s.take_requests(0.0) == []
+    assert s.task_failed("t0") == ["a"]  # handed back: nothing of it generates here any more
+    assert s.take_requests(0.0) == [Request("t1", 0, 1)]
+    # off (the default), or at η = 0 where every admitted task is the next batch: queue order
+    for policy in (INTERRUPTIBLE, SchedulerPolicy(True, needed_first=True, max_staleness=0)):
+        s = Scheduler(policy, version=1)
+        s.on_task("t0", 1, 0, "a")
+        s.on_task("t1", 1, 1, "b")
+        assert s.take_requests(0.0, max_n=1) == [Request("t0", 0, 0)]
+        assert s.take_requests(0.0) == [Request("t1", 0, 1)]
