@@ -354,7 +354,7 @@ class RolloutSettings(_Part):
         "the batch); 0 = switch at every new version",
     )
     needed_first: bool = Field(
-        True,
+        False,
         description="while the trainer's next batch has samples left to generate on a worker, "
         "start no task of a later batch there: its slowest answers decode alone and the "
         "trainer's wait for them ends sooner (async runs; no effect at max_staleness 0)",

@@ -25,7 +25,7 @@ Modes:
   rollout's core whatever `--others-core` says; async-η1-int-ffd-others-free: η = 1 pinned,
   with the other processes free to run on either core; async-η1-int-ffd-needed-first: η = 1
   pinned, with `rollout.needed_first` (the trainer's next batch is generated before a later one;
-  the default, where every other async mode here sets it false: the order earlier pools ran with),
+  every other async mode here sets it false, the order earlier pools ran with),
   and the same with the other processes on the rollout's core, or with only the nats-server and
   the reward worker there (`-nats-reward-rollout`).
 Async (and sync-pinned) runs give the rollout core 0 and the trainer core 1; the controller,
@@ -201,7 +201,7 @@ def build_modes(subset: bool) -> list[Mode]:
             f"rollout.torch_threads={m.threads}",
             f"train.torch_threads={m.threads}",
             # the matrix keeps the first-come order its earlier pools ran with; the
-            # -needed-first modes set the default
+            # -needed-first modes turn it on
             "rollout.needed_first=false",
             *m.extra,
         ]
