@@ -21,6 +21,11 @@ could give at best, over the whole run:
 - ceiling: the sync run's wall time over its slower role's (its trainer's summed `train_s`, or
   the rest of the wall time, when the trainer waited for the rollout and the reward): what a
   perfect overlap of the two roles' work would give, with each role as fast as it was alone;
+- η bound: the sync run's own per-step times replayed on a two-stage pipeline bounded as the
+  async mode is (`replay_bound`): the rollout generates batch k+1 once batch k is generated and
+  the trainer has finished batch k-η; the trainer trains batch k once it is generated. With each
+  step as long as it was in the sync run, it is what that η can give at best: below the ceiling
+  whenever step times vary, since at small η a long batch on one side stalls the other;
 - async wait: the share of the async run's wall time its trainer waited for a batch;
 - async ms/tok: the async trainer's time per trained token over the sync trainer's (above 1:
   it trains slower while the rollout and the other processes run beside it);
@@ -90,9 +95,10 @@ WAITED_S = 0.05  # a step whose trainer waited longer than this for its batch "w
 
 def throughput(
     curves: dict[str, list[dict]], sync: str, mode: str
-) -> tuple[float, float, list[str]] | None:
-    """`mode` against `sync` (see the module doc): its trained tokens/s ratio, the ceiling and
-    the table cells; None without the per-step timings in the curves."""
+) -> tuple[float, float, float | None, list[str]] | None:
+    """`mode` against `sync` (see the module doc): its trained tokens/s ratio, the ceiling, the
+    η bound (None for a mode name without η) and the table cells; None without the per-step
+    timings in the curves."""
     s, a = curves.get(sync) or [], curves.get(mode) or []
     keys = ("wall_s", "train_s", "wait_s", "train_tokens")
     if not s or not a or any(k not in r for r in (s[-1], a[-1]) for k in keys):
@@ -107,6 +113,8 @@ def throughput(
     if min(s_wall, a_wall, s_train, a_train, s_tok, a_tok) <= 0:
         return None
     ceiling = s_wall / max(s_train, s_wall - s_train)
+    eta = eta_of(mode)
+    bound = replay_bound(*sync_step_times(s), eta) if eta is not None else None
     speed = (a_tok / a_wall) / (s_tok / s_wall)
     waited = [r for r in a if float(r["wait_s"]) > WAITED_S]
     tails = [float(r["tail_s"]) for r in a if r.get("tail_s") is not None]
@@ -119,9 +127,11 @@ def throughput(
     return (
         speed,
         ceiling,
+        bound,
         [
             f"{speed:.2f}x",
             f"{ceiling:.2f}x",
+            f"{bound:.2f}x" if bound is not None else "-",
             f"{speed / ceiling:.0%}",
             f"{tot(a, 'wait_s') / a_wall:.0%}",
             f"{(a_train / a_tok) / (s_train / s_tok):.2f}",
@@ -129,6 +139,37 @@ def throughput(
             tail,
         ],
     )
+
+
+def replay_bound(gen: list[float], train: list[float], eta: int) -> float:
+    """Sum of the steps' times over the makespan of the η-bounded two-stage pipeline (module
+    doc, "η bound"): 1.0 at η = 0 (each batch generated after the last step), at most the
+    ceiling (sum over the slower stage's sum) at any η."""
+    if len(gen) != len(train) or not gen:
+        raise ValueError("one generation and one training time per step")
+    gen_end: list[float] = []
+    train_end: list[float] = []
+    for k, (g, t) in enumerate(zip(gen, train, strict=True)):
+        start = gen_end[k - 1] if k else 0.0
+        if k - eta - 1 >= 0:
+            start = max(start, train_end[k - eta - 1])  # the weights it must be generated with
+        gen_end.append(start + g)
+        train_end.append(max(gen_end[k], train_end[k - 1] if k else 0.0) + t)
+    return (sum(gen) + sum(train)) / train_end[-1]
+
+
+def sync_step_times(recs: list[dict]) -> tuple[list[float], list[float]]:
+    """A sync run's per-step (rest, train) times: its trainer's `train_s`, and the rest of the
+    step's wall time (the rollout, the reward and the hops: what the trainer waited for)."""
+    walls = [0.0, *(float(r["wall_s"]) for r in recs)]
+    train = [float(r["train_s"]) for r in recs]
+    rest = [max(0.0, walls[i + 1] - walls[i] - train[i]) for i in range(len(recs))]
+    return rest, train
+
+
+def eta_of(mode: str) -> int | None:
+    m = re.search(r"η(\d+)", mode)
+    return int(m.group(1)) if m else None
 
 
 def rolling(xs: list[float], k: int = 10) -> list[float]:
@@ -190,6 +231,7 @@ def main() -> int:
     flows: list[list[str]] = []
     speeds: dict[str, list[float]] = {}
     ceilings: dict[str, list[float]] = {}
+    bounds: dict[str, list[float]] = {}
     paired: dict[str, tuple[list[list[dict]], list[list[dict]]]] = {}  # mode -> sync, async runs
     for path in args.reports:
         table = read_table(path)
@@ -221,10 +263,12 @@ def main() -> int:
                 pair[0].append(curves[sname])
                 pair[1].append(curves[name])
             if (flow := throughput(curves, sname, name)) is not None:
-                speed, ceiling, cells = flow
+                speed, ceiling, bound, cells = flow
                 flows.append([seed_of(path), sname, name, *cells])
                 speeds.setdefault(name, []).append(speed)
                 ceilings.setdefault(name, []).append(ceiling)
+                if bound is not None:
+                    bounds.setdefault(name, []).append(bound)
             a_step = step_at(curves, name, a_ttt)
             split = "n/a"
             if ratio is not None and s_step and a_step:
@@ -282,7 +326,7 @@ def main() -> int:
             )
     if flows:
         print()
-        cols = ["seed", "fastest sync", "async mode", "trained tok/s", "ceiling"]
+        cols = ["seed", "fastest sync", "async mode", "trained tok/s", "ceiling", "η bound"]
         cols += ["of the ceiling", "async wait", "async ms/tok", "waited steps"]
         cols += ["tail s: waited / all steps"]
         print(md_table(cols, flows))
@@ -293,6 +337,11 @@ def main() -> int:
                 f"- {name}: trained tokens/s {statistics.median(sp):.2f}x the fastest sync "
                 f"(median; {min(sp):.2f}x-{max(sp):.2f}x) against an overlap ceiling of "
                 f"{statistics.median(ce):.2f}x (median; {min(ce):.2f}x-{max(ce):.2f}x)"
+                + (
+                    f"; its η bound {statistics.median(bd):.2f}x ({min(bd):.2f}x-{max(bd):.2f}x)"
+                    if (bd := bounds.get(name))
+                    else ""
+                )
             )
     if paired:
         print()

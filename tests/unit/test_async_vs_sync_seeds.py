@@ -13,7 +13,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path[:0] = [str(BENCH)]
 
-from async_vs_sync_seeds import read_table  # noqa: E402
+from async_vs_sync_seeds import read_table, replay_bound  # noqa: E402
 
 COLS = "| mode | wall s | samples/s | t→target s | eval reward |"
 
@@ -55,6 +55,25 @@ def test_read_table_takes_the_mode_table_only(tmp_path):
     (tmp_path / "x.md").write_text("no table here")
     with pytest.raises(SystemExit, match="no '| mode |' table"):
         read_table(tmp_path / "x.md")
+
+
+def test_replay_bound_is_what_an_eta_bounded_pipeline_gives_the_sync_steps():
+    # η = 0 is the sync schedule itself
+    assert replay_bound([1.0, 2.0, 0.5], [0.5, 1.0, 2.0], 0) == 1.0
+    # equal steps: at any η ≥ 1 all but one step overlap
+    assert replay_bound([1.0] * 4, [1.0] * 4, 1) == pytest.approx(8 / 5)
+    # long and short batches alternating, a long one long to generate and to train: at η = 1
+    # the long batch's generation waits for the short one's training and then holds up the
+    # trainer; one more batch of lookahead lets the long steps overlap one another
+    gen, train = [2.0, 0.5] * 10, [2.0, 0.5] * 10
+    by_eta = [replay_bound(gen, train, eta) for eta in (0, 1, 2, 4)]
+    assert by_eta[0] == 1.0
+    assert by_eta[1] == pytest.approx(1.235, abs=1e-3)
+    assert by_eta[2] == pytest.approx(1.852, abs=1e-3) == by_eta[3]
+    # never above the ceiling: the sum over the slower stage's sum
+    assert by_eta[3] <= (sum(gen) + sum(train)) / max(sum(gen), sum(train))
+    with pytest.raises(ValueError, match="one generation and one training time per step"):
+        replay_bound([1.0], [1.0, 2.0], 1)
 
 
 def test_ratios_are_against_each_seeds_fastest_sync_and_pooled(tmp_path):
@@ -142,7 +161,10 @@ def test_with_the_timings_each_run_is_set_against_the_overlap_ceiling(tmp_path):
     curves = {"sync-pinned": run(2.0, 1.0), "async-η1": run(1.25, 0.25)}
     p.with_suffix(".json").write_text(json.dumps(curves))
     out = pool(p)
-    assert "| 0 | sync-pinned | async-η1 | 1.60x | 2.00x | 80% | 20% | 1.00 | 60 of 60 | - |" in out
+    # η bound: the sync steps (1 s rest, 1 s train) replayed at η = 1 overlap all but one
+    # step: 120 s of work in 61 s
+    row = "| 0 | sync-pinned | async-η1 | 1.60x | 2.00x | 1.97x | 80% | 20% | 1.00 | 60 of 60 | - |"
+    assert row in out
     assert (
         "- async-η1: trained tokens/s 1.60x the fastest sync (median; 1.60x-1.60x) against an "
         "overlap ceiling of 2.00x (median; 2.00x-2.00x)"
