@@ -25,7 +25,8 @@ could give at best, over the whole run:
   async mode is (`replay_bound`): the rollout generates batch k+1 once batch k is generated and
   the trainer has finished batch k-η; the trainer trains batch k once it is generated. With each
   step as long as it was in the sync run, it is what that η can give at best: below the ceiling
-  whenever step times vary, since at small η a long batch on one side stalls the other;
+  whenever step times vary, since at small η a long batch on one side stalls the other
+  (a table of its own gives each seed's bound at η = 1, 2, 4 and 8, whichever modes ran);
 - async wait: the share of the async run's wall time its trainer waited for a batch;
 - async ms/tok: the async trainer's time per trained token over the sync trainer's (above 1:
   it trains slower while the rollout and the other processes run beside it);
@@ -90,6 +91,7 @@ def step_at(curves: dict[str, list[dict]], mode: str, t: float | None) -> int | 
     return int(min(recs, key=lambda r: abs(float(r["wall_s"]) - t))["step"])
 
 
+BOUND_ETAS = (1, 2, 4, 8)
 WAITED_S = 0.05  # a step whose trainer waited longer than this for its batch "waited"
 
 
@@ -232,6 +234,7 @@ def main() -> int:
     speeds: dict[str, list[float]] = {}
     ceilings: dict[str, list[float]] = {}
     bounds: dict[str, list[float]] = {}
+    eta_bounds: list[tuple[str, str, list[float]]] = []  # seed, sync: ceiling, η bounds
     paired: dict[str, tuple[list[list[dict]], list[list[dict]]]] = {}  # mode -> sync, async runs
     for path in args.reports:
         table = read_table(path)
@@ -244,6 +247,16 @@ def main() -> int:
         sname, s = min(syncs.items(), key=lambda kv: float(kv[1]["wall s"]))
         s_ttt, s_eval, s_sps = num(s["t→target s"]), num(s["eval reward"]), num(s["samples/s"])
         s_step = step_at(curves, sname, s_ttt)
+        if (recs := curves.get(sname)) and all(k in recs[-1] for k in ("wall_s", "train_s")):
+            rest, train = sync_step_times(recs)
+            ceiling = (sum(rest) + sum(train)) / max(sum(rest), sum(train))
+            eta_bounds.append(
+                (
+                    seed_of(path),
+                    sname,
+                    [ceiling, *(replay_bound(rest, train, e) for e in BOUND_ETAS)],
+                )
+            )
         for name, r in table.items():
             if name.startswith("sync") or num(r["wall s"]) is None:
                 continue
@@ -342,6 +355,20 @@ def main() -> int:
                     if (bd := bounds.get(name))
                     else ""
                 )
+            )
+    if eta_bounds:
+        print()
+        print("What overlap could give at each η, the fastest sync run's steps replayed:")
+        print()
+        cols = ["seed", "fastest sync", "ceiling", *(f"η = {e}" for e in BOUND_ETAS)]
+        print(md_table(cols, [[a, b, *(f"{x:.2f}x" for x in xs)] for a, b, xs in eta_bounds]))
+        print()
+        for i, e in enumerate(BOUND_ETAS):
+            xs = [r[2][1 + i] for r in eta_bounds]
+            print(
+                f"- η = {e}: at best {statistics.median(xs):.2f}x (median; "
+                f"{min(xs):.2f}x-{max(xs):.2f}x, {sum(x >= 1.8 for x in xs)} of {len(xs)} seeds "
+                "at 1.8x or more)"
             )
     if paired:
         print()

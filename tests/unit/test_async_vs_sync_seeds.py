@@ -169,11 +169,16 @@ def test_with_the_timings_each_run_is_set_against_the_overlap_ceiling(tmp_path):
         "- async-η1: trained tokens/s 1.60x the fastest sync (median; 1.60x-1.60x) against an "
         "overlap ceiling of 2.00x (median; 2.00x-2.00x)"
     ) in out
+    # the sync run's own bound at each η, whichever async modes ran: 120 s of work, 61 s at
+    # any η >= 1 (constant steps never stall each other)
+    assert "| 0 | sync-pinned | 2.00x | 1.97x | 1.97x | 1.97x | 1.97x |" in out
+    assert "- η = 1: at best 1.97x (median; 1.97x-1.97x, 1 of 1 seeds at 1.8x or more)" in out
     # without the timings (older curves), no throughput table
     curves = {m: [{"step": r["step"], "wall_s": r["wall_s"]} for r in c] for m, c in curves.items()}
     p.with_suffix(".json").write_text(json.dumps(curves))
     out = pool(p)
     assert "trained tok/s" not in out
+    assert "What overlap could give" not in out
 
 
 def test_the_waits_are_set_against_the_batch_tails(tmp_path):
