@@ -222,9 +222,10 @@ class RolloutService:
 
     def _on_finished(self, loop: asyncio.AbstractEventLoop, out: GenOutput) -> None:
         """Generating thread -> event loop: file the sample; a complete group goes out."""
-        task_id, index = out.key.rsplit("/", 1)
-        with self._lock:
-            self.sched.sample_generated(task_id, int(index))
+        if self.sched.policy.needed_first:  # only its hold reads which samples are generated
+            task_id, index = out.key.rsplit("/", 1)
+            with self._lock:
+                self.sched.sample_generated(task_id, int(index))
         loop.call_soon_threadsafe(self._file_sample, out)
 
     def _file_sample(self, out: GenOutput) -> None:
