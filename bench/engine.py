@@ -130,7 +130,7 @@ def bench_inference(model_dir: Path, reps: int, rng: np.random.Generator, vocab:
         run_ours(engine, prompts[:8], [4] * 8)  # warm-up
         run_hf(hf, prompts[:8], [4] * 8, 0)
         for rep in range(reps):
-            for who in ("ours", "hf") if rep % 2 == 0 else ("hf", "ours"):
+            for who in interleaved(rep, "ours", "hf"):
                 if who == "ours":
                     dt, n = run_ours(engine, prompts, targets)
                 else:
@@ -142,24 +142,34 @@ def bench_inference(model_dir: Path, reps: int, rng: np.random.Generator, vocab:
 
 
 # ------------------------------------------------------------------------------- training
-def bench_training(model_dir: Path, reps: int, rng: np.random.Generator, vocab: int) -> dict:
+def random_seq(prompt: torch.Tensor, n: int, rng: np.random.Generator, vocab: int):
+    """A training sequence of `n` random output tokens after `prompt`, sampled (as far as its
+    log-probs say) uniformly, with a random +-1 advantage."""
     from areal.engines.base import TrainSeq
+
+    return TrainSeq(
+        prompt_ids=prompt,
+        output_ids=torch.as_tensor(rng.integers(3, vocab, n)),
+        behav_logp=torch.full((n,), -float(np.log(vocab))),
+        versions=torch.zeros(n, dtype=torch.long),
+        adv=float(rng.choice([-1.0, 1.0])),
+    )
+
+
+def interleaved(rep: int, a, b) -> tuple:
+    """The two arms in alternating order, so neither always runs first (warmer caches)."""
+    return (a, b) if rep % 2 == 0 else (b, a)
+
+
+def bench_training(model_dir: Path, reps: int, rng: np.random.Generator, vocab: int) -> dict:
     from areal.engines.config import TrainEngineConfig
     from areal.engines.torch_train import TorchTrainEngine
 
     prompt_len = 16
     outs = long_tailed_lengths(N_REQUESTS, rng, CONTEXT - prompt_len)
-    seqs = []
-    for n in outs:
-        seqs.append(
-            TrainSeq(
-                prompt_ids=torch.as_tensor(rng.integers(3, vocab, prompt_len)),
-                output_ids=torch.as_tensor(rng.integers(3, vocab, n)),
-                behav_logp=torch.full((n,), -float(np.log(vocab))),
-                versions=torch.zeros(n, dtype=torch.long),
-                adv=float(rng.choice([-1.0, 1.0])),
-            )
-        )
+    seqs = [
+        random_seq(torch.as_tensor(rng.integers(3, vocab, prompt_len)), n, rng, vocab) for n in outs
+    ]
     max_tokens_per_mb, fixed_mb_size, n_minibatches = 4096, 8, 2  # the TrainSettings defaults
     res = {"lengths": [prompt_len + n for n in outs], "cfg": (max_tokens_per_mb, fixed_mb_size)}
     engines = {
@@ -179,7 +189,7 @@ def bench_training(model_dir: Path, reps: int, rng: np.random.Generator, vocab: 
         eng.train_step([replace(s) for s in seqs[:8]], max_tokens_per_mb)  # warm-up
         res[p] = {"tok_s": [], "padding_frac": [], "n_mb": [], "time_s": []}
     for rep in range(reps):
-        for p in ("ffd", "fixed") if rep % 2 == 0 else ("fixed", "ffd"):
+        for p in interleaved(rep, "ffd", "fixed"):
             st = engines[p].train_step([replace(s) for s in seqs], max_tokens_per_mb)
             r = res[p]
             r["tok_s"].append(st["tokens"] / st["time_s"])
@@ -202,7 +212,6 @@ SHARED_SHAPES = {  # name -> (prompt tokens, output tokens low, high); 16 prompt
 
 def bench_shared_prompts(model_dir: Path, reps: int, rng: np.random.Generator, vocab: int) -> dict:
     """(c) GRPO-shaped batches (16 prompts x 8 samples): `share_prompts` on vs off."""
-    from areal.engines.base import TrainSeq
     from areal.engines.config import TrainEngineConfig
     from areal.engines.torch_train import TorchTrainEngine
 
@@ -220,22 +229,13 @@ def bench_shared_prompts(model_dir: Path, reps: int, rng: np.random.Generator, v
         for _ in range(16):
             prompt = torch.as_tensor(rng.integers(3, vocab, p))
             for _ in range(8):
-                n = int(rng.integers(lo, hi + 1))
-                seqs.append(
-                    TrainSeq(
-                        prompt_ids=prompt.clone(),
-                        output_ids=torch.as_tensor(rng.integers(3, vocab, n)),
-                        behav_logp=torch.full((n,), -float(np.log(vocab))),
-                        versions=torch.zeros(n, dtype=torch.long),
-                        adv=float(rng.choice([-1.0, 1.0])),
-                    )
-                )
+                seqs.append(random_seq(prompt.clone(), int(rng.integers(lo, hi + 1)), rng, vocab))
         outs = sum(len(x.output_ids) for x in seqs)
         res[name] = {"tokens": {True: 16 * p + outs, False: 128 * p + outs}, True: [], False: []}
         for eng in engines.values():
             eng.train_step([replace(x) for x in seqs[:16]], 4096)  # warm-up
         for rep in range(reps):
-            for on in (True, False) if rep % 2 == 0 else (False, True):
+            for on in interleaved(rep, True, False):
                 st = engines[on].train_step([replace(x) for x in seqs], 4096)
                 res[name][on].append(st["time_s"])
                 print(f"  shared prompts {on!s:<5} {name}, rep {rep}: {st['time_s']:.3f} s")
