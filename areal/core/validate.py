@@ -204,8 +204,11 @@ def check_sample(sample: Sample, b: Bounds, *, latest_version: int) -> Verdict |
             return Verdict(f"{what}: behav_logp holds a non-finite value")
         lo, hi = _lo_hi(logp)
         if hi > LOGP_SLACK or lo < LOGP_FLOOR:
+            # + 0.0 turns -0.0 into 0.0: Python's min and numpy's may pick either of 0.0 and
+            # -0.0 (they compare equal), and the reason must not depend on which path ran
             return Verdict(
-                f"{what}: behav_logp outside [{LOGP_FLOOR:g}, 0] (min {lo:g}, max {hi:g})"
+                f"{what}: behav_logp outside [{LOGP_FLOOR:g}, 0] "
+                f"(min {lo + 0.0:g}, max {hi + 0.0:g})"
             )
     versions, err = _ints(sample.versions, f"{what}: versions")
     if err is not None:
