@@ -27,7 +27,10 @@ Modes:
   pinned, with `rollout.needed_first` (the trainer's next batch is generated before a later one;
   every other async mode here sets it false, the order earlier pools ran with),
   and the same with the other processes on the rollout's core, or with only the nats-server and
-  the reward worker there (`-nats-reward-rollout`).
+  the reward worker there (`-nats-reward-rollout`);
+- sync-pinned-loglinear, async-η1-int-ffd-loglinear: `algo.prox_logp=loglinear` (the proximal
+  log-probs interpolated, AReaL-lite, instead of a no-grad forward of the later minibatches;
+  synchronous, it gives the behaviour log-probs, exact there).
 Async (and sync-pinned) runs give the rollout core 0 and the trainer core 1; the controller,
 reward, launcher and nats-server go on the trainer's core (`--others-core trainer`, default: the
 rollout is the busier role) or the rollout's, by the run's `cpu_affinity` setting (the launcher
@@ -192,6 +195,12 @@ def build_modes(subset: bool) -> list[Mode]:
             moved={"nats": ROLLOUT_CORE, "reward": ROLLOUT_CORE},
         )
     )
+    # the proximal policy's log-probs by log-linear interpolation (AReaL-lite) instead of a
+    # no-grad forward of every minibatch after the first: synchronous, every token is of the
+    # current version and the interpolation gives the behaviour log-probs, exact there
+    loglinear = ["algo.prox_logp=loglinear"]
+    modes.append(Mode("sync-pinned-loglinear", 0, False, "ffd", pinned=True, extra=loglinear))
+    modes.append(Mode("async-η1-int-ffd-loglinear", 1, True, "ffd", pinned=True, extra=loglinear))
     for m in modes:
         m.overrides = [
             *LONG_WORKLOAD,
@@ -320,7 +329,7 @@ def gen_len_note(results: dict[str, RunResult]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="30 steps, the --subset modes")
-    ap.add_argument("--subset", action="store_true", help="16 modes instead of 26")
+    ap.add_argument("--subset", action="store_true", help="18 modes instead of 28")
     ap.add_argument("--steps", type=int, help="train.total_steps per run (default 60)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

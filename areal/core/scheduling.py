@@ -189,8 +189,9 @@ class Scheduler(Generic[H, W]):
         needed = self.needed_limit(ready)
         if needed is not None:  # pick the needed requests out, wherever they are queued
             out = [r for r in self.queue if r.admitted_version <= needed][:max_n]
-            taken = set(out)
-            self.queue = deque(r for r in self.queue if r not in taken)
+            if out:  # rebuild the queue only when something leaves it
+                taken = set(out)
+                self.queue = deque(r for r in self.queue if r not in taken)
             return out
         out: list[Request] = []
         while self.queue and self.queue[0].admitted_version <= ready:
