@@ -41,7 +41,11 @@ def test_two_deepspeed_ranks_train_with_exact_accounting(tmp_path):
     summary = check_invariants(out, eta=4, B=16)
     assert summary["steps"] == 10
     assert all(r["n_microbatches"] >= 2 for r in records(out))  # something to share out
-    assert_matches_one_process(out)  # ZeRO-3 here; the SIGKILL test below runs ZeRO-2
+    # ZeRO-3 here; the SIGKILL test below runs ZeRO-2. Weights within 1e-3 (~3 x lr): Adam
+    # moves a weight whose gradient is near 0 by up to lr either way, so the ranks' other
+    # summing order can flip such a step (CI at e007c6b: losses within 8.3e-7, weights
+    # 1.6e-4 apart); a wrong batch or step shows in the losses, off by percents
+    assert_matches_one_process(out, weights_atol=1e-3)
     assert re.search(r"trainer_rank_stopped\s+exit_code=0", _log(out, FOLLOWER))
     assert "rank_group_leading" in _log(out, "trainer-0")
     assert "worker_restarted" not in err.decode()
