@@ -363,11 +363,14 @@ def main() -> int:
         print(f"note: the core split assumes 2 CPUs; this machine has {os.cpu_count()}")
 
     from areal.bus.embedded import EmbeddedNats
+    from areal.config import load_settings
 
+    algo = load_settings(CONFIG, [*LONG_WORKLOAD, *args.extra]).algo  # B and G as --set leaves them
     header = machine_header(
         {
             "workload": f"{' '.join(LONG_WORKLOAD)} (long-tailed lengths), "
-            f"B=16, G=8, {steps} steps = {steps * 128} trained samples per run, "
+            f"B={algo.batch_size}, G={algo.group_size}, {steps} steps = "
+            f"{steps * algo.batch_size * algo.group_size} trained samples per run, "
             f"seed {args.seed}, base config {CONFIG.relative_to(REPO_ROOT)}"
             + (f", extra {args.extra}" if args.extra else ""),
             "cores": "async + sync-pinned: rollout-* threads -> core 0, trainer-0 threads -> "
