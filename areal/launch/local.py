@@ -42,6 +42,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Literal
@@ -72,6 +73,17 @@ EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Lo
 MAX_OUTAGE_RESTARTS = 20  # restarts after outages (not counted in max_restarts), per worker
 TRAINER = "trainer-0"  # the trainer's worker id (rank 0 of its group when train.nproc > 1)
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _honour_sigint() -> None:
+    """Ctrl-C (SIGINT) stops the run even when the launcher inherited SIGINT ignored: a shell
+    without job control (a script, CI, `nohup cmd &`) starts background jobs so, and Python then
+    raises no KeyboardInterrupt, so `kill -INT` did nothing and the run went on to its last
+    step. Only the main thread may set a handler; elsewhere the caller owns signals."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and (
+        threading.current_thread() is threading.main_thread()
+    ):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _terminate(procs: list[subprocess.Popen], timeout_s: float) -> None:
@@ -437,6 +449,7 @@ class Launcher:
 
     def run(self) -> int:
         t0 = time.time()
+        _honour_sigint()
         try:
             finished = self.check()
         except ConfigError as e:

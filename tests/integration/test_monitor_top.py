@@ -57,6 +57,9 @@ async def test_top_once_against_a_live_run(nats_url, run_id, tmp_path):
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # started with SIGINT ignored, as a script's background job inherits it: the SIGINT
+        # below must still stop the run (it once went on to its last step: CI, 2026-12-05)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         # the run declares its streams once its workers start: retry until the first step
@@ -91,6 +94,7 @@ async def test_top_once_against_a_live_run(nats_url, run_id, tmp_path):
         if run.returncode is None:
             run.send_signal(signal.SIGINT)  # the launcher stops its workers on Ctrl-C
         await asyncio.wait_for(run.wait(), 60)
+    assert run.returncode == 130, run.returncode  # stopped by the SIGINT, not finished
     (tmp_path / "top.txt").write_text(out)
     assert "\x1b[" not in out  # not a TTY: plain text
     for title in PANEL_TITLES:
