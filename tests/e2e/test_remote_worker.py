@@ -14,7 +14,6 @@ import collections
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -93,7 +92,6 @@ def test_a_worker_elsewhere_joins_with_the_url_and_the_run_id(tmp_path: Path):
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     remote: subprocess.Popen | None = None
     scored_by: ScoredBy | None = None

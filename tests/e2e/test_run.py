@@ -45,15 +45,9 @@ def start_run(out: Path, *sets: str) -> subprocess.Popen:
     args = [sys.executable, "-m", "areal.cli", "run", str(EXAMPLE), "--out", str(out), "--quiet"]
     for kv in sets:
         args += ["--set", kv]
-    # SIGINT back to its default in the child: a test runner started as a background job
-    # without job control inherits SIGINT ignored, and the Ctrl-C tests would then be ignored too
-    return subprocess.Popen(
-        args,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    # no SIGINT reset here: a runner started as a background job passes SIGINT on ignored,
+    # and the launcher itself must still stop on the Ctrl-C tests' SIGINT
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def wait_steps(proc: subprocess.Popen, out: Path, n: int, timeout_s: float = 300) -> None:
