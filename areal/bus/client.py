@@ -44,13 +44,14 @@ from pydantic import BaseModel
 from areal.bus.auth import NO_CREDENTIALS, Credentials, Denials, credentials_for
 from areal.bus.blobs import WeightsBlob, WeightsSink
 from areal.bus.codec import DecodeError, decode, encode
-from areal.bus.connection import connect
+from areal.bus.connection import Reconnects, connect
 from areal.bus.embedded import MAX_PAYLOAD_BYTES
 from areal.bus.errors import BusUnavailable, MessageTooLarge
 from areal.bus.events import (
     BusSubscription,
     EventSubscription,
     OnMetric,
+    RenewedSubscription,
     subscribe_decoded,
     subscribe_events,
 )
@@ -130,6 +131,7 @@ class Bus:
         weights_dir: str | None = None,
         credentials: Credentials = NO_CREDENTIALS,
         denials: Denials | None = None,
+        reconnects: Reconnects | None = None,
     ) -> None:
         self._nc, self._js = nc, nc.jetstream()
         self._denials = denials or Denials()  # what the server refused this connection
@@ -145,6 +147,9 @@ class Bus:
         self._denials.listen(
             lambda op, subject: self._acks.deny(subject, lambda s: self._denials.error(s, op))
         )
+        self._renewed: set[RenewedSubscription] = set()  # opened again after a reconnect
+        if reconnects is not None:
+            reconnects.listen(self._on_reconnect)
         self._state: RunStateKV | None = None  # bound on first use
         self._weights = RunWeights(
             self._js,
@@ -189,9 +194,13 @@ class Bus:
         names = RunNames(run_id)  # an invalid run id fails before connecting
         if credentials is None:
             credentials = credentials_for(nats or NatsSettings(), role)
-        denials = Denials()
+        denials, reconnects = Denials(), Reconnects()
         nc = await connect(
-            url, f"areal-{names.run_id}-{worker_id}", credentials=credentials, denials=denials
+            url,
+            f"areal-{names.run_id}-{worker_id}",
+            credentials=credentials,
+            denials=denials,
+            reconnects=reconnects,
         )
         bus = cls(
             nc,
@@ -205,6 +214,7 @@ class Bus:
             weights_dir=weights_dir,
             credentials=credentials,
             denials=denials,
+            reconnects=reconnects,
         )
         try:
             await bus._acks.start()
@@ -569,9 +579,12 @@ class Bus:
 
     async def kv_watch(self, key: str) -> KVWatch:
         """Changes of `key` from now on (`KVWatch.wait`); create it before reading the key.
-        Rides through a server outage (`_through_outage`)."""
+        Rides through a server outage (`_through_outage`), and outlives its consumer on the
+        server (reopened after a reconnect: `KVWatch`)."""
         state = await self._run_state()
-        return await self._through_outage(lambda: state.watch(key), f"watching {key!r}")
+        return await self._through_outage(
+            lambda: state.watch(key, lambda: self.reconnects), f"watching {key!r}"
+        )
 
     # ---------------------------------------------------------------- weights (`run_weights`)
     async def put_weights(
@@ -613,10 +626,31 @@ class Bus:
 
     async def subscribe_weights(
         self, cb: Callable[[WeightAnnouncement], Awaitable[None]]
-    ) -> BusSubscription:
+    ) -> RenewedSubscription:
         """Deliver the latest trusted announcement now and every later trusted one (ordered
-        consumer); untrusted ones are logged (`weights_rejected`) and never delivered."""
-        return await self._weights.subscribe(cb)
+        consumer); untrusted ones are logged (`weights_rejected`) and never delivered. After a
+        reconnect the subscription is made again and delivers the latest again
+        (`RenewedSubscription`): `cb` must take an announcement it has seen."""
+
+        def open_() -> Awaitable[BusSubscription]:
+            return self._through_outage(
+                lambda: self._weights.subscribe(cb), "subscribing to weight announcements"
+            )
+
+        sub = RenewedSubscription(await open_(), open_)
+        self._renewed.add(sub)
+        return sub
+
+    def _on_reconnect(self) -> None:
+        """The connection is back (maybe on another server): publishes waiting for an ack
+        are retried at once, and ordered consumers made again (both are gone with the server
+        that held them)."""
+        self._acks.reconnected()
+        for sub in list(self._renewed):
+            if sub.closed:
+                self._renewed.discard(sub)
+            else:
+                sub.renew_soon()
 
     async def latest_weights(self) -> WeightAnnouncement | None:
         """The trusted announcement of the highest version the weights stream holds; None ONLY

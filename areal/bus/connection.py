@@ -74,6 +74,21 @@ def server_urls(url: str) -> list[str]:
     return urls
 
 
+class Reconnects:
+    """Listeners called on every reconnect of one connection (after the client has renewed its
+    subscriptions and sent what it buffered while disconnected)."""
+
+    def __init__(self) -> None:
+        self._listeners: list[Callable[[], None]] = []
+
+    def listen(self, fn: Callable[[], None]) -> None:
+        self._listeners.append(fn)
+
+    def fire(self) -> None:
+        for fn in list(self._listeners):
+            fn()
+
+
 async def connect(
     url: str,
     name: str,
@@ -84,6 +99,7 @@ async def connect(
     hint: str = _SERVER_HINT,
     credentials: Credentials = NO_CREDENTIALS,
     denials: Denials | None = None,
+    reconnects: Reconnects | None = None,
     auth_hint: str = AUTH_HINT,
 ) -> Client:
     """A connected client, or `ConnectionError` naming `url`, the last error and `hint`
@@ -132,6 +148,8 @@ async def connect(
         if give_up is not None:
             give_up.cancel()
         log.info("nats_reconnected", client=name)
+        if reconnects is not None:
+            reconnects.fire()
 
     async def _give_up_after(delay_s: float) -> None:
         await asyncio.sleep(delay_s)

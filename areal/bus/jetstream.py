@@ -29,7 +29,8 @@ after `NO_RESPONDERS_BACKOFF_S`, never in a spin.
 there with its ack (`{"stream", "seq"}` or `{"error"}`). Replies come to one wildcard inbox
 subscription and resolve a future per publish; the timeout is one timer handle per publish. A
 publish the server refuses for lack of permission gets no ack: `deny(subject, error)` (called
-when the server reports the violation) fails the publishes waiting on that subject at once.
+when the server reports the violation) fails the publishes waiting on that subject at once, and
+a reconnect (`reconnected`) times out every publish still waiting, to be retried at once.
 """
 
 from __future__ import annotations
@@ -80,6 +81,15 @@ class PublishAcks:
         fut = self._waiting.pop(msg.subject[len(self.prefix) :], None)
         if fut is not None and not fut.done():
             fut.set_result(msg)
+
+    def reconnected(self) -> None:
+        """The connection was re-established: publishes still waiting for an ack time out now
+        (their caller retries them with the same `Nats-Msg-Id`). One sent before the server
+        went away gets no ack from the server that answers now, and would otherwise hold its
+        caller for the whole timeout (10 s) after the server is back; one the client buffered
+        and sent on the reconnect is only sent again, and de-duplicated."""
+        for fut in self._waiting.values():
+            _expire(fut)
 
     def deny(self, subject: str, error_of: Callable[[str], Exception]) -> None:
         """Fail every publish waiting for an ack on `subject` (compared case-insensitively: the

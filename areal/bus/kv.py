@@ -6,12 +6,17 @@ Invariants:
   validate: a corrupt or foreign value is an error, never mistaken for "no state yet";
 - `get` returns None only when the key has no value (never written, deleted or purged);
 - `KVWatch.wait` reports writes made after the watch started (the value current at its start is
-  not a change); a timeout is a normal answer (False), never an exception.
+  not a change); a timeout is a normal answer (False), never an exception;
+- a `KVWatch` outlives its server-side consumer: after the connection reconnected (a restarted
+  server, a failover to another cluster node), or when told with `reopen()`, it opens a new one
+  and its next `wait` says True (a write may have been missed meanwhile: read the key again).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import nats.errors
@@ -25,20 +30,73 @@ T = TypeVar("T", bound=BaseModel)
 
 
 class KVWatch:
-    """Changes of one key after the watch started (create it before reading the key)."""
+    """Changes of one key after the watch started (create it before reading the key).
 
-    def __init__(self, watcher: KeyValue.KeyWatcher) -> None:
-        self._watcher = watcher
+    The library's watcher is an ephemeral ordered consumer on the server. A restarted server, or
+    the death of the cluster node that held it, loses it, and the library notices only after two
+    missed 5 s heartbeats: 10-20 s in which writes go unreported, and a caller that waits for
+    them (the controller, for each new policy version) crawls on its fallback timeouts. So the
+    watch opens a new consumer when the connection has reconnected since it opened its own, and
+    when a caller that saw a write it did not report says so (`reopen`)."""
+
+    def __init__(
+        self,
+        open_watcher: Callable[[], Awaitable[KeyValue.KeyWatcher]],
+        reconnects: Callable[[], int],
+    ) -> None:
+        self._open_watcher, self._reconnects = open_watcher, reconnects
+        self._watcher: KeyValue.KeyWatcher | None = None
+        self._opened_at = -1  # the connection's reconnect count when the watcher was opened
         self._initial_done = False  # the watcher first replays the current value, then None
         self._stopped = False
+        self.reopened = 0  # consumers opened after the first
+
+    @classmethod
+    async def open(
+        cls,
+        open_watcher: Callable[[], Awaitable[KeyValue.KeyWatcher]],
+        reconnects: Callable[[], int],
+    ) -> KVWatch:
+        watch = cls(open_watcher, reconnects)
+        watch._opened_at = reconnects()
+        watch._watcher = await open_watcher()
+        return watch
+
+    def reopen(self) -> None:
+        """The caller read a write this watch did not report: its consumer is likely gone.
+        The next `wait` opens a new one and says True."""
+        self._opened_at = -1
+
+    async def _renew(self) -> bool:
+        """Replace the watcher; False when the server cannot make one now (try again later)."""
+        old, self._watcher = self._watcher, None
+        if old is not None:
+            with contextlib.suppress(nats.errors.Error):  # its consumer may be gone already
+                await old.stop()
+        opened_at = self._reconnects()
+        try:
+            self._watcher = await self._open_watcher()
+        except (nats.errors.Error, asyncio.TimeoutError):
+            return False
+        self._opened_at, self._initial_done = opened_at, False
+        self.reopened += 1
+        return True
 
     async def wait(self, timeout_s: float) -> bool:
-        """True when the key was written (or deleted) since the watch started or the last True;
-        False when `timeout_s` passed without a change, or the watch is stopped."""
+        """True when the key was written (or deleted) since the watch started or the last True,
+        or may have been (the watch had to reopen); False when `timeout_s` passed without a
+        change, or the watch is stopped."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while not self._stopped:
             remaining = deadline - loop.time()
+            if self._watcher is None or self._opened_at != self._reconnects():
+                if await self._renew():
+                    return True
+                if remaining <= 0:
+                    return False
+                await asyncio.sleep(min(0.5, remaining))  # the server is not back yet
+                continue
             if remaining <= 0:
                 return False
             try:
@@ -57,7 +115,8 @@ class KVWatch:
     async def stop(self) -> None:
         if not self._stopped:
             self._stopped = True
-            await self._watcher.stop()
+            if self._watcher is not None:
+                await self._watcher.stop()
 
 
 class RunStateKV:
@@ -121,5 +180,6 @@ class RunStateKV:
             return False
         return True
 
-    async def watch(self, key: str) -> KVWatch:
-        return KVWatch(await self._kv.watch(key))
+    async def watch(self, key: str, reconnects: Callable[[], int]) -> KVWatch:
+        """A watch of `key`; `reconnects` counts the connection's reconnects (see `KVWatch`)."""
+        return await KVWatch.open(lambda: self._kv.watch(key), reconnects)

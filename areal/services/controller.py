@@ -149,8 +149,14 @@ class Controller:
         try:
             while not stop.is_set() and not self.trainer.done:
                 await self.admit_once()
-                await watch.wait(timeout_s=1.0)  # a trainer update, or a periodic re-read
+                seen = self.trainer
+                changed = await watch.wait(timeout_s=1.0)  # a trainer update, or a re-read
                 await self._read_trainer()
+                if not changed and self.trainer.version != seen.version:
+                    # a new version the watch did not report: its consumer is gone (the cluster
+                    # node that held it died; the connection, on another node, did not notice)
+                    log.info("trainer_watch_reopened", version=self.trainer.version)
+                    watch.reopen()
         finally:
             hb.cancel()
             await watch.stop()

@@ -44,6 +44,7 @@ import torch
 from areal.bus.client import Bus, Lease
 from areal.bus.codec import unpack
 from areal.bus.errors import WeightsRejected
+from areal.bus.events import RenewedSubscription
 from areal.core.scheduling import Joined, Request, Scheduler, SchedulerPolicy
 from areal.core.validate import Bounds, Verdict, check_task
 from areal.engines.base import GenOutput, GenRequest, InferenceEngine, SamplingParams, WeightUpdate
@@ -95,6 +96,7 @@ class RolloutService:
         self._tasks: dict[str, tuple[Task, float]] = {}  # task id -> (task, received at)
         self._finished: dict[str, dict[int, Sample]] = {}  # task id -> its finished samples
         self._weights_changed = asyncio.Event()
+        self._weights_sub: RenewedSubscription | None = None  # while `run` runs
         self._fetching: set[int] = set()  # versions being downloaded (guarded by _lock)
         self._queue_changed = asyncio.Event()
         self._publishes: set[asyncio.Task] = set()
@@ -165,7 +167,17 @@ class RolloutService:
         if missing and not stop.is_set():  # a missed announcement? ask the stream
             ann = await self.bus.latest_weights()
             if ann is not None:
+                if ann.version > self._published:
+                    self._announcement_missed(ann.version)
                 await self.on_weights(ann)
+
+    def _announcement_missed(self, version: int) -> None:
+        """The stream holds a version the subscription did not deliver: its consumer is likely
+        gone with a cluster node this worker's connection was not on (no reconnect to renew
+        it): make it again now, not after the library's 10-20 s heartbeat timeout."""
+        if self._weights_sub is not None:
+            log.info("weights_subscription_renewed", version=version)
+            self._weights_sub.renew_soon()
 
     # ------------------------------------------------------------------ tasks
     async def _check(self, task: Task) -> Verdict | None:
@@ -173,6 +185,8 @@ class RolloutService:
         if verdict is not None and verdict.stale_view:  # an announcement not seen yet?
             ann = await self.bus.latest_weights()
             if ann is not None:
+                if ann.version > self._published:
+                    self._announcement_missed(ann.version)
                 self._published = max(self._published, ann.version)
             verdict = check_task(task, self.bounds, latest_version=self._published)
         return verdict
@@ -357,7 +371,7 @@ class RolloutService:
         }
 
     async def run(self, stop: asyncio.Event) -> None:
-        sub = await self.bus.subscribe_weights(self.on_weights)
+        sub = self._weights_sub = await self.bus.subscribe_weights(self.on_weights)
         log.info("rollout_started", policy=vars(self.policy), policy_version=self.engine.version)
         gen = asyncio.create_task(self._generate_loop(stop))
         gen.add_done_callback(lambda _: stop.set())  # a generate loop that died stops the worker

@@ -255,3 +255,23 @@ async def test_publish_ack_errors(nats_url, run_id):
             await acks.publish(f"silent.{run_id}", b"x", None, 0.3)
         assert not acks._waiting  # nothing left behind by the failures
     await bus.close()
+
+
+async def test_a_reconnect_times_out_the_publishes_waiting_for_an_ack(nats_url, run_id):
+    """An ack the server that went away owed never comes: at the reconnect the publish raises
+    the timeout its caller retries on (same `Nats-Msg-Id`), not after the whole timeout."""
+    async with raw_client(nats_url) as raw:
+        acks = PublishAcks(raw)
+        await acks.start()
+        await raw.subscribe(f"silent.{run_id}")  # a responder that never answers
+        await raw.flush()
+        waiting = asyncio.ensure_future(acks.publish(f"silent.{run_id}", b"x", None, 600.0))
+        await wait_for(lambda: bool(acks._waiting))
+        acks.reconnected()
+        with pytest.raises(nats.errors.TimeoutError):
+            await asyncio.wait_for(waiting, 60.0)  # a hang guard: it is failed at once
+        assert not acks._waiting
+        # a publish after the reconnect is acked as usual
+        bus = await make_bus(nats_url, run_id)  # declares the run's streams
+        assert await acks.publish(bus.names.subject(S.TRAJECTORIES), b"y", None, 10.0) >= 1
+        await bus.close()

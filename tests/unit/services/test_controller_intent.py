@@ -67,3 +67,48 @@ def test_an_implausible_trainer_record_is_refused():
     assert asyncio.run(ctrl._implausible(TrainerState(version=2, step=2))) is None
     ctrl.trainer = TrainerState(version=2)
     assert "went back" in asyncio.run(ctrl._implausible(TrainerState(version=1)))
+
+
+class SilentWatch:
+    """A watch whose consumer is gone: it reports nothing until reopened."""
+
+    def __init__(self) -> None:
+        self.reopens = 0
+
+    async def wait(self, timeout_s: float) -> bool:
+        await asyncio.sleep(0)
+        return False
+
+    def reopen(self) -> None:
+        self.reopens += 1
+
+    async def stop(self) -> None:
+        pass
+
+
+def test_a_version_the_watch_did_not_report_reopens_it():
+    """The controller re-reads the trainer after every wait; a newer version that its watch did
+    not report means the watch's consumer is gone (a cluster node's death the connection did
+    not see): it reopens the watch, and only then."""
+    bus = Bus()
+    ctrl = controller(bus)
+    watch = SilentWatch()
+    states = iter([TrainerState(), TrainerState(), TrainerState(version=1, step=1)])
+    stop = asyncio.Event()
+
+    async def kv_get(key, model):
+        if model is ControllerState:
+            return None
+        state = next(states, None)
+        if state is None:
+            stop.set()
+            return TrainerState(version=1, step=1)
+        return state
+
+    async def kv_watch(key):
+        return watch
+
+    bus.kv_get, bus.kv_watch = kv_get, kv_watch
+    asyncio.run(asyncio.wait_for(ctrl.run(stop), 30))
+    assert ctrl.trainer.version == 1
+    assert watch.reopens == 1  # once: for the one unreported version, not for unchanged reads
