@@ -148,6 +148,8 @@ class Bus:
             lambda op, subject: self._acks.deny(subject, lambda s: self._denials.error(s, op))
         )
         self._renewed: set[RenewedSubscription] = set()  # opened again after a reconnect
+        # resolved at the next reconnect: what `_through_outage` ops in flight give up on
+        self._next_reconnect: asyncio.Future[None] | None = None
         if reconnects is not None:
             reconnects.listen(self._on_reconnect)
         self._state: RunStateKV | None = None  # bound on first use
@@ -375,7 +377,7 @@ class Bus:
         delay, attempt = 0.2, 0
         while True:
             try:
-                result = await op()
+                result = await self._unless_reconnected(op)
             except TRANSIENT_ERRORS as e:
                 if subject is not None and self._denials.denied(subject):
                     raise self._denials.error(subject) from None
@@ -396,6 +398,25 @@ class Bus:
             if attempt:
                 log.info("bus_recovered", what=what, attempts=attempt)
             return result
+
+    async def _unless_reconnected(self, op: Callable[[], Awaitable[T_]]) -> T_:
+        """`op()`, given up (a TimeoutError, so `_through_outage` tries it again) when the
+        connection reconnects while it waits: a request that went to a server that died is
+        never answered, and nats-py would hold it for its whole timeout (5 s for a KV write)."""
+        if self._next_reconnect is None or self._next_reconnect.done():
+            self._next_reconnect = asyncio.get_running_loop().create_future()
+        reconnected = self._next_reconnect
+        task = asyncio.ensure_future(op())
+        try:
+            await asyncio.wait({task, reconnected}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+        if task.done() and not task.cancelled():
+            return task.result()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise asyncio.TimeoutError("the connection reconnected while waiting for an answer")
 
     async def metric(self, type_: str, values: dict[str, Any]) -> None:
         rec = MetricRecord(role=self.role, worker_id=self.worker_id, type=type_, values=values)
@@ -642,10 +663,13 @@ class Bus:
         return sub
 
     def _on_reconnect(self) -> None:
-        """The connection is back (maybe on another server): publishes waiting for an ack
-        are retried at once, and ordered consumers made again (both are gone with the server
+        """The connection is back (maybe on another server): publishes waiting for an ack and
+        requests waiting for an answer (`_through_outage`) are retried at once, and ordered
+        consumers made again (both are gone with the server
         that held them)."""
         self._acks.reconnected()
+        if self._next_reconnect is not None and not self._next_reconnect.done():
+            self._next_reconnect.set_result(None)
         for sub in list(self._renewed):
             if sub.closed:
                 self._renewed.discard(sub)

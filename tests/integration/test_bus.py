@@ -290,6 +290,36 @@ async def test_kv_watch_reports_writes_after_it_started(nats_url, run_id):
     await bus.close()
 
 
+async def test_a_reconnect_retries_at_once_a_request_the_old_server_owed_an_answer(
+    nats_url, run_id
+):
+    """A KV write or read sent just before the server died is never answered; nats-py would
+    hold it for its 5 s timeout (the trainer's state write stalled the quickstart ~3 s per
+    restart). At the reconnect the bus gives it up and tries it again at once."""
+    bus = await make_bus(nats_url, run_id)
+    async with raw_client(nats_url) as raw:
+        await raw.subscribe(f"silent.{run_id}")  # a responder that never answers
+        await raw.flush()
+        calls: list[int] = []
+
+        async def op() -> str:
+            calls.append(1)
+            if len(calls) == 1:  # the request the dead server owed an answer
+                await bus._nc.request(f"silent.{run_id}", b"x", timeout=600.0)
+            return "answered"
+
+        waiting = asyncio.ensure_future(bus._through_outage(op, "a test request"))
+        await wait_for(lambda: len(calls) == 1)
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        bus._on_reconnect()  # what the connection's reconnect callback calls
+        assert await asyncio.wait_for(waiting, 60.0) == "answered"  # a hang guard
+        assert len(calls) == 2
+        assert await bus._through_outage(op, "a test request") == "answered"  # no reconnect
+        assert len(calls) == 3
+    await bus.close()
+
+
 async def test_kv_watch_outlives_a_server_restart(tmp_path, run_id):
     """The watch's consumer dies with its server; after the reconnect the watch opens a new one
     (its first answer is True: a write may have been missed) and reports writes again, not
