@@ -19,11 +19,14 @@ from areal.config import NatsSettings
 
 
 def _bus(tolerance_s: float = 30.0) -> types.SimpleNamespace:
-    """The two attributes `_through_outage` reads, without a server."""
+    """What `_through_outage` reads and calls, without a server."""
     denials = types.SimpleNamespace(denied=lambda subject: False)
-    return types.SimpleNamespace(
+    bus = types.SimpleNamespace(
         settings=NatsSettings(outage_tolerance_s=tolerance_s), _denials=denials
     )
+    bus._next_reconnect = None  # no reconnect in these tests
+    bus._unless_reconnected = lambda op: Bus._unless_reconnected(bus, op)
+    return bus
 
 
 def _failing(n: int, error: BaseException):
