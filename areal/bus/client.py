@@ -360,24 +360,34 @@ class Bus:
         timeout_s = self.settings.publish_timeout_s
         # the same Nats-Msg-Id on every try: a publish stored before its ack was lost is
         # de-duplicated by the server
+        # no reconnect race here: `PublishAcks` fails its own waits at a reconnect, and this
+        # is the hot path (one publish per sample)
         await self._through_outage(
-            lambda: self._acks.publish(subject, data, headers, timeout_s), f"publish to {subject}"
+            lambda: self._acks.publish(subject, data, headers, timeout_s),
+            f"publish to {subject}",
+            retry_at_reconnect=False,
         )
 
     async def _through_outage(
-        self, op: Callable[[], Awaitable[T_]], what: str, subject: str | None = None
+        self,
+        op: Callable[[], Awaitable[T_]],
+        what: str,
+        subject: str | None = None,
+        *,
+        retry_at_reconnect: bool = True,
     ) -> T_:
         """`op()`, retried with backoff while the server is unreachable (a restart, a
         reconnect, a leader election), for up to `nats.outage_tolerance_s`; then a
         `BusUnavailable` naming `what`. `op` must be safe to repeat. A timeout after the
         server refused this account `subject` (what `op` publishes to) is no outage: it
-        raises `PermissionDenied` at once."""
+        raises `PermissionDenied` at once. With `retry_at_reconnect` an `op` still waiting when
+        the connection reconnects is given up and tried again at once (`_unless_reconnected`)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.outage_tolerance_s
         delay, attempt = 0.2, 0
         while True:
             try:
-                result = await self._unless_reconnected(op)
+                result = await (self._unless_reconnected(op) if retry_at_reconnect else op())
             except TRANSIENT_ERRORS as e:
                 if subject is not None and self._denials.denied(subject):
                     raise self._denials.error(subject) from None

@@ -167,15 +167,14 @@ class RolloutService:
         if missing and not stop.is_set():  # a missed announcement? ask the stream
             ann = await self.bus.latest_weights()
             if ann is not None:
-                if ann.version > self._published:
-                    self._announcement_missed(ann.version)
+                self._announcement_missed(ann.version)
                 await self.on_weights(ann)
 
     def _announcement_missed(self, version: int) -> None:
-        """The stream holds a version the subscription did not deliver: its consumer is likely
+        """When the stream holds a version the subscription did not deliver: its consumer is likely
         gone with a cluster node this worker's connection was not on (no reconnect to renew
         it): make it again now, not after the library's 10-20 s heartbeat timeout."""
-        if self._weights_sub is not None:
+        if version > self._published and self._weights_sub is not None:
             log.info("weights_subscription_renewed", version=version)
             self._weights_sub.renew_soon()
 
@@ -185,8 +184,7 @@ class RolloutService:
         if verdict is not None and verdict.stale_view:  # an announcement not seen yet?
             ann = await self.bus.latest_weights()
             if ann is not None:
-                if ann.version > self._published:
-                    self._announcement_missed(ann.version)
+                self._announcement_missed(ann.version)
                 self._published = max(self._published, ann.version)
             verdict = check_task(task, self.bounds, latest_version=self._published)
         return verdict
