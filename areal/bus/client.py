@@ -323,11 +323,15 @@ class Bus:
         self, role: str, type_: str, cb: OnMetric, *, replay: bool = False
     ) -> BusSubscription:
         """Live metrics `areal.<run>.metrics.<role>.<type>` (e.g. the trainer's `step` records);
-        `replay`: first every such record the metrics stream still holds."""
+        `replay`: first every such record the metrics stream still holds (then an ordered
+        consumer, opened again where it left off after a reconnect)."""
         subject = f"{self.names.metrics_subject(role)}.{type_}"
-        return await subscribe_decoded(
+        sub = await subscribe_decoded(
             self._nc, subject, MetricRecord, cb, js=self._js if replay else None
         )
+        if isinstance(sub, RenewedSubscription):  # an ordered consumer: renewed on reconnect
+            self._renewed.add(sub)
+        return sub
 
     # ---------------------------------------------------------------- publishing
     async def publish(

@@ -4,7 +4,8 @@ delivered live to a typed callback.
 A core subscription: it sees messages published from the moment it exists (both are also kept
 in the run's streams for replay, `areal tap events --history N`). With `js` given, an ordered
 JetStream consumer replays what the stream still holds of the subject first, then goes on live
-(for a reader that must not miss records published while it was down). A message that does not
+(for a reader that must not miss records published while it was down), and after a server
+restart resumes where it left off (`subscribe_ordered`). A message that does not
 decode as the expected model is logged and skipped; the subscription keeps going.
 """
 
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import nats.errors
 import structlog
@@ -21,7 +23,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from areal.bus.codec import DecodeError, decode
 from schemas import Event, Message, MetricRecord
@@ -94,6 +96,41 @@ class RenewedSubscription(BusSubscription):
         await self._sub.unsubscribe()
 
 
+async def subscribe_ordered(
+    js: JetStreamContext,
+    subject: str,
+    cb: Callable[[Msg], Awaitable[None]],
+    config: ConsumerConfig,
+    **options: Any,
+) -> RenewedSubscription:
+    """A subscription through an ordered consumer (`config` says where it starts; `options`
+    go to `js.subscribe`) that `renew_soon()` opens again where it left off: from the stream
+    sequence after the last one delivered (or as `config` says, when none was yet). The old and
+    the new consumer may both deliver for a moment; each stream sequence reaches `cb` once, in
+    order, so a renewal neither misses a message nor repeats one (for `areal tap --history`,
+    `areal top`: records, not states, where a repeat would be counted twice)."""
+    last = 0  # the highest stream sequence passed to `cb`
+
+    async def on_msg(msg: Msg) -> None:
+        nonlocal last
+        seq = msg.metadata.sequence.stream
+        if seq <= last:  # the other consumer of a renewal delivered it already
+            return
+        last = seq
+        await cb(msg)
+
+    async def open_() -> BusSubscription:
+        cfg = dataclasses.replace(config)  # nats-py writes its inbox into the config it gets
+        if last:
+            cfg = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=last + 1
+            )
+        sub = await js.subscribe(subject, cb=on_msg, config=cfg, ordered_consumer=True, **options)
+        return BusSubscription(sub, subject)
+
+    return RenewedSubscription(await open_(), open_)
+
+
 class EventSubscription(BusSubscription):
     """A live subscription to one kind of run event."""
 
@@ -114,10 +151,9 @@ async def subscribe_decoded(
         await cb(obj)
 
     if js is not None:
-        sub = await js.subscribe(
-            subject, cb=on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+        return await subscribe_ordered(
+            js, subject, on_msg, ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
         )
-        return BusSubscription(sub, subject)
     return BusSubscription(await nc.subscribe(subject, cb=on_msg), subject)
 
 

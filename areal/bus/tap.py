@@ -4,7 +4,9 @@ Invariants (DESIGN section 3, "Tapping"):
 - nothing here consumes, acknowledges or delays a pipeline message: work-queue streams are
   watched with a plain core subscription on the subject (JetStream refuses a second consumer on
   a work queue) or peeked by sequence (`STREAM.MSG.GET` does not remove anything);
-- history on limits streams comes from ordered consumers (ephemeral, ack none, in memory);
+- history on limits streams comes from ordered consumers (ephemeral, ack none, in memory),
+  opened again at once where they left off when the connection comes back (a restarted
+  server, a failover), so a follow neither stalls, misses nor repeats a record;
 - an observer never declares streams or buckets: attaching to a run that does not exist is an
   error that names the fix, not a new empty run;
 - an observer never waits in silence: it connects with `OBSERVER_PATIENCE` (a dead address is a
@@ -34,7 +36,8 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 
 from areal.bus.auth import NO_CREDENTIALS, Credentials
-from areal.bus.connection import Patience, connect
+from areal.bus.connection import Patience, Reconnects, connect
+from areal.bus.events import RenewedSubscription, subscribe_ordered
 from schemas import subjects as S
 from schemas.subjects import RunNames, run_of_stream
 
@@ -99,11 +102,20 @@ def _ts(value: Any) -> float | None:
 class TapClient:
     """A connection that only observes one run."""
 
-    def __init__(self, nc: Client, run_id: str, lost: LostServer | None = None) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        run_id: str,
+        lost: LostServer | None = None,
+        reconnects: Reconnects | None = None,
+    ) -> None:
         self._nc, self._js = nc, nc.jetstream()
         self.names = RunNames(run_id)
         self._subs: list[Any] = []
+        self._renewed: list[RenewedSubscription] = []  # ordered consumers (history follows)
         self.lost = lost or LostServer()
+        if reconnects is not None:
+            reconnects.listen(self._on_reconnect)
 
     @classmethod
     async def connect(
@@ -120,9 +132,11 @@ class TapClient:
         `AuthenticationFailed`, naming the credentials to pass, when the server refuses
         them); `note` hears, once, that the server has not answered yet."""
         RunNames(run_id)  # validate before connecting
-        lost = LostServer()
-        nc = await _observer_connect(url, f"{name}-{run_id}", patience, note, lost.set, credentials)
-        return cls(nc, run_id, lost)
+        lost, reconnects = LostServer(), Reconnects()
+        nc = await _observer_connect(
+            url, f"{name}-{run_id}", patience, note, lost.set, credentials, reconnects
+        )
+        return cls(nc, run_id, lost, reconnects)
 
     def subject(self, subject_suffix: str) -> str:
         """`trajectories` -> `areal.<run>.trajectories`; `metrics` -> `areal.<run>.metrics.>`."""
@@ -223,9 +237,14 @@ class TapClient:
             skip_until = history
 
         async def on_msg(msg: Msg) -> None:
+            nonlocal skip_until
             md = msg.metadata
-            if skip_until and md.num_pending >= skip_until:
-                return
+            if skip_until:
+                if md.num_pending >= skip_until:
+                    return
+                # past the skipped part (num_pending grows again as new messages are stored;
+                # a renewed consumer starts after the last delivered one)
+                skip_until = 0
             headers = msg.headers or {}
             await cb(
                 TapMessage(
@@ -239,15 +258,19 @@ class TapClient:
                 )
             )
 
-        sub = await self._js.subscribe(
-            subject,
-            cb=on_msg,
-            stream=stream_name,
-            config=cfg,
-            ordered_consumer=True,
-            pending_bytes_limit=_PENDING_BYTES,
+        sub = await subscribe_ordered(
+            self._js, subject, on_msg, cfg, stream=stream_name, pending_bytes_limit=_PENDING_BYTES
         )
         self._subs.append(sub)
+        self._renewed.append(sub)
+
+    def _on_reconnect(self) -> None:
+        """The connection is back, maybe on a restarted server or another node of a cluster:
+        the ordered consumers went with the old one, and nats-py would make them again only
+        after two missed 5 s heartbeats (`areal top` stood still that long). Open them again
+        now, each where it left off."""
+        for sub in self._renewed:
+            sub.renew_soon()
 
     # ------------------------------------------------------------------ snapshots
     async def stream_stats(self) -> dict[str, QueueStats]:
@@ -379,6 +402,7 @@ async def _observer_connect(
     note: Note | None,
     on_lost: Note | None,
     credentials: Credentials = NO_CREDENTIALS,
+    reconnects: Reconnects | None = None,
 ) -> Client:
     """`connect` for observers: bounded patience, the observer hint in errors, and one `note`
     when the server has not answered within a second (so a wait is never silent)."""
@@ -402,6 +426,7 @@ async def _observer_connect(
             hint=OBSERVER_HINT,
             credentials=credentials,
             auth_hint=OBSERVER_AUTH_HINT,
+            reconnects=reconnects,
         )
     finally:
         waiting.cancel()

@@ -1,0 +1,126 @@
+"""Ordered-consumer follows (`areal tap --history`, `areal top`, the trainer's eval records)
+across a server restart: opened again at once where they left off, each record delivered once.
+
+An ordered consumer lives on one server; a restart loses it, and nats-py makes it again only
+after two missed 5 s heartbeats, so `areal top` stood still for 10-20 s. The follow now renews
+on the connection's reconnect (`subscribe_ordered`), from the stream sequence after the last one
+it delivered; for the moment both consumers run, each sequence is passed on once, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from areal.bus.codec import decode
+from areal.bus.embedded import EmbeddedNats
+from areal.bus.tap import TapClient, TapMessage
+from schemas import MetricRecord
+from tests.integration.test_bus import make_bus, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _steps(messages: list[TapMessage]) -> list[int]:
+    return [decode(m.data, MetricRecord).values["step"] for m in messages]
+
+
+async def test_a_tap_with_history_resumes_where_it_left_off_after_a_server_restart(
+    tmp_path, run_id
+):
+    server = EmbeddedNats(tmp_path / "nats").start()
+    try:
+        bus = await make_bus(server.url, run_id, role="trainer")
+        for step in (1, 2, 3):  # history the tap replays
+            await bus.metric("step", {"step": step})
+        tap = await TapClient.connect(server.url, run_id)
+        got: list[TapMessage] = []
+
+        async def on_msg(msg: TapMessage) -> None:
+            got.append(msg)
+
+        await tap.follow("metrics.trainer.step", on_msg, history=-1)
+        await bus.metric("step", {"step": 4})
+        await wait_for(lambda: len(got) == 4, timeout=60.0)
+        (sub,) = tap._renewed
+
+        server.proc.kill()  # SIGKILL: the ordered consumer goes with it
+        server.proc.wait()
+        server.start()  # same port, same store
+        await wait_for(lambda: tap._nc.stats["reconnects"] == 1, timeout=60.0)
+        await wait_for(lambda: sub.renewals == 1, timeout=60.0)  # ours, not nats-py's reset
+        for step in (5, 6):
+            await bus.metric("step", {"step": step})
+        await wait_for(lambda: len(got) >= 6, timeout=60.0)
+        await asyncio.sleep(0.3)  # a repeat would land now
+        assert _steps(got) == [1, 2, 3, 4, 5, 6]
+        seqs = [m.stream_seq for m in got]
+        assert seqs == sorted(set(seqs))
+        assert not tap.lost.is_set()
+        await tap.close()
+        await bus.close()
+    finally:
+        server.stop()
+
+
+async def test_a_renewal_while_the_old_consumer_still_delivers_passes_each_record_once(
+    nats_url, run_id
+):
+    """A reconnect to a server that kept the consumer (a network blip): old and new consumer
+    both deliver until the old one is unsubscribed; the follow passes each sequence once."""
+    bus = await make_bus(nats_url, run_id, role="trainer")
+    tap = await TapClient.connect(nats_url, run_id)
+    got: list[TapMessage] = []
+
+    async def on_msg(msg: TapMessage) -> None:
+        got.append(msg)
+
+    await bus.metric("step", {"step": 0})
+    await tap.follow("metrics.trainer.step", on_msg, history=-1)
+    (sub,) = tap._renewed
+    publishing = asyncio.ensure_future(
+        asyncio.gather(*(bus.metric("step", {"step": s}) for s in range(1, 201)))
+    )
+    await wait_for(lambda: len(got) >= 20, timeout=60.0)
+    for _ in range(3):  # renew mid-stream, as a reconnect does
+        sub.renew_soon()
+        await wait_for(lambda: sub._renewing is not None and sub._renewing.done(), timeout=60.0)
+    await publishing
+    await wait_for(lambda: len(got) >= 201, timeout=60.0)
+    await asyncio.sleep(0.3)
+    assert sub.renewals == 3
+    assert sorted(_steps(got)) == list(range(201))
+    seqs = [m.stream_seq for m in got]
+    assert seqs == sorted(set(seqs))  # once each, in stream order
+    await tap.close()
+    await bus.close()
+
+
+async def test_the_bus_metrics_replay_resumes_after_a_server_restart(tmp_path, run_id):
+    """The trainer follows the rollout's eval records with a replay: after a restart it gets
+    the records published since, once each, without waiting for nats-py's heartbeat reset."""
+    server = EmbeddedNats(tmp_path / "nats").start()
+    try:
+        bus = await make_bus(server.url, run_id, role="rollout")
+        await bus.metric("eval", {"step": 1})
+        seen: list[int] = []
+
+        async def on_eval(rec: MetricRecord) -> None:
+            seen.append(rec.values["step"])
+
+        sub = await bus.subscribe_metrics("rollout", "eval", on_eval, replay=True)
+        await wait_for(lambda: seen == [1], timeout=60.0)
+        server.proc.kill()
+        server.proc.wait()
+        server.start()
+        await wait_for(lambda: bus.reconnects == 1, timeout=60.0)
+        await wait_for(lambda: sub.renewals == 1, timeout=60.0)
+        await bus.metric("eval", {"step": 2})
+        await wait_for(lambda: len(seen) >= 2, timeout=60.0)
+        await asyncio.sleep(0.3)
+        assert seen == [1, 2]
+        await sub.unsubscribe()
+        await bus.close()
+    finally:
+        server.stop()
