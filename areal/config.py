@@ -109,8 +109,10 @@ class NatsSettings(_Part):
     publish_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="wait for a JetStream publish ack before retrying with the same "
-        "Nats-Msg-Id (s)",
+        description="the longest wait for a JetStream publish ack (then retried with the "
+        "same Nats-Msg-Id) or a run-state (KV) answer before trying again (s); the first five "
+        "tries wait a fifth of it each (a request dropped during a cluster leader election "
+        "is retried within 2 s of its end, not 10)",
     )
     outage_tolerance_s: float = Field(
         300.0,

@@ -6,13 +6,15 @@ the header says which machine, how many torch threads and which command produced
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -83,3 +85,30 @@ def write_result(name: str, text: str) -> Path:
     path = RESULTS_DIR / name
     path.write_text(text)
     return path
+
+
+def git(*args: str, cwd: Path = REPO_ROOT) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+@contextlib.contextmanager
+def code_trees(compare: str | None, tmpdir: Path) -> Iterator[dict[str, Path]]:
+    """Name -> checkout to run: this tree, and with `compare` a git worktree of that revision
+    (made under `tmpdir`, removed after), listed first. For a benchmark that runs two versions of
+    the code side by side, interleaved, from one venv (each with its checkout first on
+    PYTHONPATH)."""
+    head = git("rev-parse", "--short", "HEAD") + (
+        " + uncommitted" if git("status", "--short", "--untracked-files=no") else ""
+    )
+    codes = {f"this tree ({head})": REPO_ROOT}
+    if not compare:
+        yield codes
+        return
+    wt = tmpdir / "compare"
+    git("worktree", "add", "--detach", str(wt), compare)
+    try:
+        yield {f"{compare} ({git('rev-parse', '--short', compare)})": wt, **codes}
+    finally:
+        git("worktree", "remove", "--force", str(wt))

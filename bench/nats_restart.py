@@ -29,15 +29,9 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]
 
-from _common import REPO_ROOT, RESULTS_DIR, machine_header, md_table, median  # noqa: E402
+from _common import RESULTS_DIR, code_trees, machine_header, md_table, median  # noqa: E402
 
 RUN_TIMEOUT_S = 900.0  # a hang guard for one run
-
-
-def git(*args: str, cwd: Path = REPO_ROOT) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True
-    ).stdout.strip()
 
 
 def nats_server_pids(out: Path) -> list[int]:
@@ -130,34 +124,23 @@ def main() -> None:
     )
     args = ap.parse_args()
     kill_at = [int(s) for s in args.kill_at.split(",")]
-    head = git("rev-parse", "--short", "HEAD") + (
-        " + uncommitted" if git("status", "--short", "--untracked-files=no") else ""
-    )
-    codes = {f"this tree ({head})": REPO_ROOT}
-    with tempfile.TemporaryDirectory(prefix="areal-nats-restart-") as tmp:
-        tmpdir = Path(tmp)
-        runs_dir = Path(args.keep) if args.keep else tmpdir
+    with (
+        tempfile.TemporaryDirectory(prefix="areal-nats-restart-") as tmp,
+        code_trees(args.compare, Path(tmp)) as codes,
+    ):
+        runs_dir = Path(args.keep) if args.keep else Path(tmp)
         runs_dir.mkdir(parents=True, exist_ok=True)
-        if args.compare:
-            wt = tmpdir / "compare"
-            git("worktree", "add", "--detach", str(wt), args.compare)
-            rev = git("rev-parse", "--short", args.compare)
-            codes = {f"{args.compare} ({rev})": wt, **codes}
         results: dict[str, list[dict]] = {name: [] for name in codes}
-        try:
-            for rep in range(args.repeats):
-                for i, (name, code) in enumerate(codes.items()):
-                    out = runs_dir / f"run-{rep}-{i}"
-                    run = run_once(code, out, kill_at, args.steps)
-                    base, lost = losses(run, args.window)
-                    run.update(base=base, lost=lost)
-                    results[name].append(run)
-                    print(f"{name} #{rep}: rc {run['rc']}, kills after steps {run['kills']}, "
-                          f"median step {base:.3f} s, lost {[round(x, 1) for x in lost]} s, "
-                          f"{run['summary']}", flush=True)  # fmt: skip
-        finally:
-            if args.compare:
-                git("worktree", "remove", "--force", str(tmpdir / "compare"))
+        for rep in range(args.repeats):
+            for i, (name, code) in enumerate(codes.items()):
+                out = runs_dir / f"run-{rep}-{i}"
+                run = run_once(code, out, kill_at, args.steps)
+                base, lost = losses(run, args.window)
+                run.update(base=base, lost=lost)
+                results[name].append(run)
+                print(f"{name} #{rep}: rc {run['rc']}, kills after steps {run['kills']}, "
+                      f"median step {base:.3f} s, lost {[round(x, 1) for x in lost]} s, "
+                      f"{run['summary']}", flush=True)  # fmt: skip
     rows = []
     for name, runs in results.items():
         for rep, r in enumerate(runs):

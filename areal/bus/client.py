@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -93,6 +93,29 @@ __all__ = ["Bus", "BusSubscription", "EventSubscription", "KVWatch", "Lease", "M
 
 
 RETRY_MAX_DELAY_S = 1.0  # most seconds between two tries of an op riding through an outage
+SHORT_WAIT_PART = 5  # a request's first tries wait publish_timeout_s / 5 for an answer...
+SHORT_WAITS = 5  # ...this many of them (about one full wait in all), then the whole timeout
+
+
+def ack_waits(timeout_s: float) -> Iterator[float]:
+    """How long each try of one publish (or run-state request) waits for its answer:
+    `timeout_s / SHORT_WAIT_PART` for the first `SHORT_WAITS` tries, then `timeout_s`
+    (2, 2, 2, 2, 2, 10, 10, ... s with the default 10 s).
+
+    A request that reaches a stream while its cluster elects a new leader (the old one died) is
+    dropped without an answer, however long it waits, and an election lasts 4-15 s: a run's
+    step record and the trainer's state write each waited the whole 10 s (nats-py's 5 s for a
+    KV read) and were sent again only then, seconds after the stream could take them; longer
+    waits after each timeout held them just as long (a third try waited 8 s of a 13 s stall).
+    Short waits retry within 2 s of the election's end. A server that is only slow gets the
+    whole timeout after the short tries. Every try carries the same `Nats-Msg-Id`, so one whose
+    answer was only late is stored once."""
+    for _ in range(SHORT_WAITS):
+        yield timeout_s / SHORT_WAIT_PART
+    while True:
+        yield timeout_s
+
+
 JS_NO_PEERS = 10005  # JetStream's "no suitable peers for placement": fewer servers than replicas
 DLQ_PAYLOAD_MAX = 64 * 1024  # bytes of a dead message kept in its dead letter
 DLQ_REASON_MAX = 4096  # characters of the reason kept
@@ -152,7 +175,7 @@ class Bus:
         self._next_reconnect: asyncio.Future[None] | None = None
         if reconnects is not None:
             reconnects.listen(self._on_reconnect)
-        self._state: RunStateKV | None = None  # bound on first use
+        self._states: dict[float, RunStateKV] = {}  # the run-state bucket per answer wait
         self._weights = RunWeights(
             self._js,
             self.names,
@@ -361,13 +384,13 @@ class Bus:
                 "default here) or shorten max_new_tokens"
             )
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-        timeout_s = self.settings.publish_timeout_s
+        waits = ack_waits(self.settings.publish_timeout_s)
         # the same Nats-Msg-Id on every try: a publish stored before its ack was lost is
         # de-duplicated by the server
         # no reconnect race here: `PublishAcks` fails its own waits at a reconnect, and this
         # is the hot path (one publish per sample)
         await self._through_outage(
-            lambda: self._acks.publish(subject, data, headers, timeout_s),
+            lambda: self._acks.publish(subject, data, headers, next(waits)),
             f"publish to {subject}",
             retry_at_reconnect=False,
         )
@@ -555,70 +578,72 @@ class Bus:
                         await lease.msg.in_progress()
 
     # ---------------------------------------------------------------- run state (KV)
-    async def _run_state(self) -> RunStateKV:
-        if self._state is None:
+    async def _run_state(self, wait_s: float) -> RunStateKV:
+        """The run-state bucket, its requests waiting `wait_s` for an answer (one handle per
+        wait, bound on first use)."""
+        state = self._states.get(wait_s)
+        if state is None:
             bucket = self.names.state_bucket
-            self._state = RunStateKV(await self._js.key_value(bucket), bucket)
-        return self._state
+            kv = await self._nc.jetstream(timeout=wait_s).key_value(bucket)
+            state = self._states[wait_s] = RunStateKV(kv, bucket)
+        return state
+
+    async def _kv_op(
+        self, op: Callable[[RunStateKV], Awaitable[T_]], what: str, key: str | None = None
+    ) -> T_:
+        """`op` on the run-state bucket, riding through an outage (`_through_outage`; `key`:
+        the key it writes, for a permission denial). Each try waits for its answer as a publish
+        waits for its ack (`ack_waits`): a request that reaches the bucket while its cluster
+        elects a leader is never answered, and nats-py's fixed 5 s timeout held the trainer's
+        state write and read 5 s each, twice in a row, after a node died."""
+        waits = ack_waits(self.settings.publish_timeout_s)
+        subject = None if key is None else f"$KV.{self.names.state_bucket}.{key}"
+
+        async def attempt() -> T_:
+            return await op(await self._run_state(next(waits)))
+
+        return await self._through_outage(attempt, what, subject)
 
     async def kv_get(self, key: str, model: type[T]) -> T | None:
         """The run state under `key` as `model`; None only when the key has no value. A value
         that does not validate raises `StateDecodeError` naming the key and the bucket.
-        Rides through a server outage (`_through_outage`)."""
-        state = await self._run_state()
-        return await self._through_outage(lambda: state.get(key, model), f"reading {key!r}")
+        Rides through a server outage (`_kv_op`)."""
+        return await self._kv_op(lambda s: s.get(key, model), f"reading {key!r}")
 
     async def kv_put(self, key: str, value: BaseModel) -> None:
-        state = await self._run_state()
-        await self._through_outage(
-            lambda: state.put(key, value), f"writing {key!r}", f"$KV.{state.bucket}.{key}"
-        )
+        await self._kv_op(lambda s: s.put(key, value), f"writing {key!r}", key)
 
     async def kv_claim(self, key: str, value: BaseModel) -> bool:
         """Create `key` with `value` if it does not exist yet: True for exactly one caller
         (e.g. the one rollout replica that runs an evaluation round). A create whose answer
         was lost in an outage is retried, and then reads as taken: the claim may go to no one,
         never to two."""
-        state = await self._run_state()
-        return await self._through_outage(
-            lambda: state.create(key, value), f"claiming {key!r}", f"$KV.{state.bucket}.{key}"
-        )
+        return await self._kv_op(lambda s: s.create(key, value), f"claiming {key!r}", key)
 
     async def kv_get_rev(self, key: str, model: type[T]) -> tuple[T, int] | None:
         """`kv_get` with the value's revision (for `kv_update` / `kv_delete`)."""
-        state = await self._run_state()
-        return await self._through_outage(lambda: state.get_rev(key, model), f"reading {key!r}")
+        return await self._kv_op(lambda s: s.get_rev(key, model), f"reading {key!r}")
 
     async def kv_create_rev(self, key: str, value: BaseModel) -> int | None:
         """Create `key`: its revision, None when it has a value. A create whose answer was
         lost in an outage is retried and then reads as taken (the caller re-reads to tell)."""
-        state = await self._run_state()
-        return await self._through_outage(
-            lambda: state.create_rev(key, value), f"creating {key!r}", f"$KV.{state.bucket}.{key}"
-        )
+        return await self._kv_op(lambda s: s.create_rev(key, value), f"creating {key!r}", key)
 
     async def kv_update(self, key: str, value: BaseModel, last: int) -> int | None:
         """Compare-and-set: write `key` only if its revision is still `last`; the new
         revision, or None when it moved (an update whose answer was lost reads as moved)."""
-        state = await self._run_state()
-        return await self._through_outage(
-            lambda: state.update(key, value, last), f"updating {key!r}", f"$KV.{state.bucket}.{key}"
-        )
+        return await self._kv_op(lambda s: s.update(key, value, last), f"updating {key!r}", key)
 
     async def kv_delete(self, key: str, last: int) -> bool:
         """Delete `key` only if its revision is still `last`."""
-        state = await self._run_state()
-        return await self._through_outage(
-            lambda: state.delete(key, last), f"deleting {key!r}", f"$KV.{state.bucket}.{key}"
-        )
+        return await self._kv_op(lambda s: s.delete(key, last), f"deleting {key!r}", key)
 
     async def kv_watch(self, key: str) -> KVWatch:
         """Changes of `key` from now on (`KVWatch.wait`); create it before reading the key.
-        Rides through a server outage (`_through_outage`), and outlives its consumer on the
-        server (reopened after a reconnect: `KVWatch`)."""
-        state = await self._run_state()
-        return await self._through_outage(
-            lambda: state.watch(key, lambda: self.reconnects), f"watching {key!r}"
+        Rides through a server outage (`_kv_op`), and outlives its consumer on the server
+        (reopened after a reconnect: `KVWatch`)."""
+        return await self._kv_op(
+            lambda s: s.watch(key, lambda: self.reconnects), f"watching {key!r}"
         )
 
     # ---------------------------------------------------------------- weights (`run_weights`)

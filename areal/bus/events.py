@@ -46,6 +46,11 @@ class BusSubscription:
         await self._sub.unsubscribe()
 
 
+RENEW_TRIES = 20  # a renewal that fails (the server cannot make the consumer yet) is retried,
+RENEW_FIRST_DELAY_S = 0.5  # after 0.5 s, doubling up to 5 s: about 1.5 minutes in all
+RENEW_MAX_DELAY_S = 5.0
+
+
 class RenewedSubscription(BusSubscription):
     """A subscription through an ordered JetStream consumer, opened again on `renew_soon()`
     (the bus calls it after every reconnect).
@@ -72,13 +77,24 @@ class RenewedSubscription(BusSubscription):
             self._renewing = asyncio.ensure_future(self._renew())
 
     async def _renew(self) -> None:
-        try:
-            new = await self._open()
-        except Exception as e:  # noqa: BLE001 - a background task: say so, the old one stays
-            log.warning(
-                "resubscribe_failed", subject=self.subject, error=f"{type(e).__name__}: {e}"
-            )
-            return
+        delay = RENEW_FIRST_DELAY_S
+        for attempt in range(1, RENEW_TRIES + 1):
+            try:
+                new = await self._open()
+                break
+            except Exception as e:  # noqa: BLE001 - a background task: say so, try again
+                # e.g. a cluster still electing the stream's leader: the consumer cannot be
+                # made yet (nats-py's own reset of the old one may still come, later)
+                log.warning(
+                    "resubscribe_failed",
+                    subject=self.subject,
+                    attempt=attempt,
+                    error=f"{type(e).__name__}: {e}",
+                )
+                if attempt == RENEW_TRIES or self._closed:
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RENEW_MAX_DELAY_S)
         old, self._sub = self._sub, new._sub
         self.renewals += 1
         with contextlib.suppress(nats.errors.Error):

@@ -5,6 +5,7 @@ of the test's own (`raw_client`): the bus hands out no nats object."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,6 +16,7 @@ from nats.js.errors import NotFoundError
 from pydantic import BaseModel
 
 from areal.bus import StateDecodeError
+from areal.bus import client as bus_client
 from areal.bus.client import Bus, MessageTooLarge
 from areal.bus.codec import decode
 from areal.bus.connection import connect
@@ -317,6 +319,30 @@ async def test_a_reconnect_retries_at_once_a_request_the_old_server_owed_an_answ
         assert len(calls) == 2
         assert await bus._through_outage(op, "a test request") == "answered"  # no reconnect
         assert len(calls) == 3
+    await bus.close()
+
+
+async def test_a_publish_dropped_without_an_answer_is_retried_after_a_short_first_wait(
+    nats_url, run_id, monkeypatch
+):
+    """A publish that reaches a stream while its cluster elects a new leader gets no answer at
+    all. Its first try waits only a fraction of `publish_timeout_s` (here 1 s of 600: the whole
+    timeout would trip the hang guard), and the retry, with the same `Nats-Msg-Id`, is acked."""
+    monkeypatch.setattr(bus_client, "SHORT_WAIT_PART", 600)
+    bus = await make_bus(nats_url, run_id, publish_timeout_s=600.0)
+    subject = f"electing.{run_id}"
+    tries: list[str] = []
+
+    async def stream_during_an_election(msg) -> None:
+        tries.append(msg.headers["Nats-Msg-Id"])
+        if len(tries) > 1:  # the leader is elected: the retry is stored and acked
+            await msg.respond(json.dumps({"stream": "S", "seq": 7}).encode())
+
+    async with raw_client(nats_url) as raw:
+        await raw.subscribe(subject, cb=stream_during_an_election)
+        await raw.flush()
+        await asyncio.wait_for(bus.publish_raw(subject, b"x", "m-1"), 120.0)  # a hang guard
+    assert tries == ["m-1", "m-1"]
     await bus.close()
 
 

@@ -7,13 +7,14 @@ run-state bucket, raises nats-py's `ServiceUnavailableError` (its 503), not
 
 from __future__ import annotations
 
+import itertools
 import types
 
 import nats.errors
 import nats.js.errors
 import pytest
 
-from areal.bus.client import Bus
+from areal.bus.client import Bus, ack_waits
 from areal.bus.errors import BusUnavailable
 from areal.config import NatsSettings
 
@@ -99,3 +100,11 @@ async def test_a_jetstream_request_nobody_answers_is_an_outage_not_a_crash(nats_
             )
     finally:
         await nc.close()
+
+
+def test_a_publish_waits_a_fifth_of_its_timeout_five_times_then_the_whole_timeout():
+    """`ack_waits`: an election drops requests however long they wait, so the first tries are
+    short (publish_timeout_s / 5, five of them); a server that is only slow then gets the whole
+    timeout on every later try."""
+    assert list(itertools.islice(ack_waits(10.0), 8)) == [2, 2, 2, 2, 2, 10, 10, 10]
+    assert list(itertools.islice(ack_waits(1.0), 7)) == [0.2, 0.2, 0.2, 0.2, 0.2, 1.0, 1.0]
