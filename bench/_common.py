@@ -7,6 +7,7 @@ the header says which machine, how many torch threads and which command produced
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import platform
@@ -85,6 +86,19 @@ def write_result(name: str, text: str) -> Path:
     path = RESULTS_DIR / name
     path.write_text(text)
     return path
+
+
+def report(title: str, header: dict[str, str], table: str, summary: list[str]) -> str:
+    """A benchmark's markdown report: title, machine header (with `header`), table, summary."""
+    return "\n\n".join([f"# {title}", machine_header(header), table, "\n".join(summary)]) + "\n"
+
+
+def write_report(stem: str, text: str, data: object) -> None:
+    """`<stem>.md` (the report, also printed) and `<stem>.json` (`data`) in bench/results."""
+    md = write_result(f"{stem}.md", text)
+    write_result(f"{stem}.json", json.dumps(data, indent=1))
+    print(text)
+    print(f"wrote {md}")
 
 
 def git(*args: str, cwd: Path = REPO_ROOT) -> str:

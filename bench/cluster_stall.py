@@ -26,7 +26,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]
 
-from _common import RESULTS_DIR, code_trees, machine_header, md_table, median  # noqa: E402
+from _common import code_trees, md_table, median, report, write_report  # noqa: E402
 
 TEST = "tests/e2e/test_cluster.py::test_a_cluster_node_killed_mid_run_costs_no_worker_and_no_sample"
 REPORT = "cluster_node_kill "  # the test prints this, then its JSON report
@@ -85,21 +85,13 @@ def main() -> None:
             if stalls
             else f"- {name}: no stall measured; test passed in {passed} of {len(runs)}"
         )
-    text = "\n\n".join([
-        "# Stall when a NATS cluster node dies mid-run",
-        machine_header({"run": f"`{TEST}`: 24 steps, nats.replicas=3, the prompts stream's "
-                        "leader SIGKILLed after step 8; stall = the longest gap between step "
-                        "records after the kill"}),
-        md_table(["code", "repeat", "test passed", "killed node", "stall s", "typical gap s",
-                  "stall before step"], rows),
-        "\n".join(summary),
-    ]) + "\n"  # fmt: skip
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    md = RESULTS_DIR / f"cluster_stall{args.tag}.md"
-    md.write_text(text)
-    (RESULTS_DIR / f"cluster_stall{args.tag}.json").write_text(json.dumps(results, indent=1))
-    print(text)
-    print(f"wrote {md}")
+    table = md_table(["code", "repeat", "test passed", "killed node", "stall s", "typical gap s",
+                      "stall before step"], rows)  # fmt: skip
+    header = {"run": f"`{TEST}`: 24 steps, nats.replicas=3, the prompts stream's leader "
+              "SIGKILLed after step 8; stall = the longest gap between step records after the "
+              "kill"}  # fmt: skip
+    text = report("Stall when a NATS cluster node dies mid-run", header, table, summary)
+    write_report(f"cluster_stall{args.tag}", text, results)
 
 
 if __name__ == "__main__":

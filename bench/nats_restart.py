@@ -29,7 +29,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]
 
-from _common import RESULTS_DIR, code_trees, machine_header, md_table, median  # noqa: E402
+from _common import code_trees, md_table, median, report, write_report  # noqa: E402
 
 RUN_TIMEOUT_S = 900.0  # a hang guard for one run
 
@@ -154,21 +154,13 @@ def main() -> None:
         f"{min(x for r in runs for x in r['lost']):.1f}-{max(x for r in runs for x in r['lost']):.1f} s"
         for name, runs in results.items()
     ]
-    text = "\n\n".join([
-        "# Time lost to a nats-server restart (quickstart)",
-        machine_header({"kills": f"SIGKILL of the run's embedded nats-server after steps {kill_at}; "
-                        f"time lost = wall time of the next {args.window} steps - {args.window} x "
-                        "the median step before the first kill"}),
-        md_table(["code", "repeat", "exit", "median step s", "lost s per kill", "lost s in all",
-                  "admitted / trained / dropped"], rows),
-        "\n".join(summary),
-    ]) + "\n"  # fmt: skip
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    md = RESULTS_DIR / f"nats_restart{args.tag}.md"
-    md.write_text(text)
-    (RESULTS_DIR / f"nats_restart{args.tag}.json").write_text(json.dumps(results, indent=1))
-    print(text)
-    print(f"wrote {md}")
+    header = {"kills": f"SIGKILL of the run's embedded nats-server after steps {kill_at}; time "
+              f"lost = wall time of the next {args.window} steps - {args.window} x the median "
+              "step before the first kill"}  # fmt: skip
+    table = md_table(["code", "repeat", "exit", "median step s", "lost s per kill",
+                      "lost s in all", "admitted / trained / dropped"], rows)  # fmt: skip
+    text = report("Time lost to a nats-server restart (quickstart)", header, table, summary)
+    write_report(f"nats_restart{args.tag}", text, results)
 
 
 if __name__ == "__main__":

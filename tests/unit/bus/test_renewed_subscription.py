@@ -20,6 +20,16 @@ class _Sub:
         self.unsubscribed = True
 
 
+def _never_renewed(first: _Sub, tries: list[int]) -> RenewedSubscription:
+    """A subscription whose renewals always fail (each try appends to `tries`)."""
+
+    async def open_() -> BusSubscription:
+        tries.append(1)
+        raise TimeoutError("nats: timeout")
+
+    return RenewedSubscription(BusSubscription(first, "s"), open_)  # type: ignore[arg-type]
+
+
 async def test_a_failed_renewal_is_tried_again_until_the_consumer_is_made(monkeypatch):
     monkeypatch.setattr(events, "RENEW_FIRST_DELAY_S", 0.01)
     opened: list[_Sub] = []
@@ -46,33 +56,19 @@ async def test_a_failed_renewal_is_tried_again_until_the_consumer_is_made(monkey
 async def test_a_renewal_that_never_succeeds_keeps_the_old_subscription(monkeypatch):
     monkeypatch.setattr(events, "RENEW_FIRST_DELAY_S", 0.001)
     monkeypatch.setattr(events, "RENEW_MAX_DELAY_S", 0.001)
-    tries = 0
-
-    async def open_() -> BusSubscription:
-        nonlocal tries
-        tries += 1
-        raise TimeoutError("nats: timeout")
-
-    first = _Sub("first")
-    sub = RenewedSubscription(BusSubscription(first, "s"), open_)  # type: ignore[arg-type]
+    first, tries = _Sub("first"), []
+    sub = _never_renewed(first, tries)
     sub.renew_soon()
     await asyncio.wait_for(sub._renewing, 60.0)
-    assert tries == events.RENEW_TRIES and sub.renewals == 0
+    assert len(tries) == events.RENEW_TRIES and sub.renewals == 0
     assert sub._sub is first and not first.unsubscribed
 
 
 @pytest.mark.parametrize("when", ["before", "during"])
 async def test_unsubscribe_stops_a_renewal_that_is_retrying(monkeypatch, when):
     monkeypatch.setattr(events, "RENEW_FIRST_DELAY_S", 0.05)
-    tries = 0
-
-    async def open_() -> BusSubscription:
-        nonlocal tries
-        tries += 1
-        raise TimeoutError("nats: timeout")
-
-    first = _Sub("first")
-    sub = RenewedSubscription(BusSubscription(first, "s"), open_)  # type: ignore[arg-type]
+    first, tries = _Sub("first"), []
+    sub = _never_renewed(first, tries)
     if when == "before":
         await sub.unsubscribe()
     sub.renew_soon()
@@ -80,5 +76,5 @@ async def test_unsubscribe_stops_a_renewal_that_is_retrying(monkeypatch, when):
         await asyncio.sleep(0.02)
         await sub.unsubscribe()
     await asyncio.sleep(0.2)
-    assert tries == (0 if when == "before" else 1)
+    assert len(tries) == (0 if when == "before" else 1)
     assert first.unsubscribed
