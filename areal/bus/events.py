@@ -57,9 +57,10 @@ class RenewedSubscription(BusSubscription):
 
     An ordered consumer is ephemeral and lives on one server: a restarted server, or a failover
     to another node of a cluster, loses it, and the library notices only after two missed 5 s
-    heartbeats, 10-20 s in which nothing is delivered. `open` makes a new subscription that
-    starts with the subject's last message, so what was missed meanwhile is delivered: the
-    callback may see a message twice and must take repeats."""
+    heartbeats, 10-20 s in which nothing is delivered. `open_` makes the new subscription and
+    decides where it starts: the weights subscription again at the latest announcement (its
+    callback may see one twice and takes repeats), `subscribe_ordered` after the last message it
+    delivered (none missed, none repeated)."""
 
     def __init__(self, first: BusSubscription, open_: Callable[[], Awaitable[BusSubscription]]):
         super().__init__(first._sub, first.subject)
