@@ -693,11 +693,11 @@ class Bus:
         (`RenewedSubscription`): `cb` must take an announcement it has seen."""
 
         def open_() -> Awaitable[BusSubscription]:
-            return self._through_outage(
-                lambda: self._weights.subscribe(cb), "subscribing to weight announcements"
-            )
+            return self._weights.subscribe(cb)
 
-        sub = RenewedSubscription(await open_(), open_)
+        # the first subscribe rides through an outage; a renewal retries on its own, as long
+        first = await self._through_outage(open_, "subscribing to weight announcements")
+        sub = RenewedSubscription(first, open_, self.settings.outage_tolerance_s)
         self._renewed.add(sub)
         return sub
 

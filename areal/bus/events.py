@@ -46,8 +46,8 @@ class BusSubscription:
         await self._sub.unsubscribe()
 
 
-RENEW_TRIES = 20  # a renewal that fails (the server cannot make the consumer yet) is retried,
-RENEW_FIRST_DELAY_S = 0.5  # after 0.5 s, doubling up to 5 s: about 1.5 minutes in all
+RENEW_GIVE_UP_S = 90.0  # a renewal that fails (the server cannot make the consumer yet) is
+RENEW_FIRST_DELAY_S = 0.5  # retried after 0.5 s, doubling up to 5 s, for this long
 RENEW_MAX_DELAY_S = 5.0
 
 
@@ -60,11 +60,17 @@ class RenewedSubscription(BusSubscription):
     heartbeats, 10-20 s in which nothing is delivered. `open_` makes the new subscription and
     decides where it starts: the weights subscription again at the latest announcement (its
     callback may see one twice and takes repeats), `subscribe_ordered` after the last message it
-    delivered (none missed, none repeated)."""
+    delivered (none missed, none repeated). A failed `open_` is tried again for
+    `give_up_after_s`; `open_` itself should try once (this is the one retry loop)."""
 
-    def __init__(self, first: BusSubscription, open_: Callable[[], Awaitable[BusSubscription]]):
+    def __init__(
+        self,
+        first: BusSubscription,
+        open_: Callable[[], Awaitable[BusSubscription]],
+        give_up_after_s: float = RENEW_GIVE_UP_S,
+    ):
         super().__init__(first._sub, first.subject)
-        self._open = open_
+        self._open, self._give_up_after_s = open_, give_up_after_s
         self._renewing: asyncio.Task[None] | None = None
         self._closed = False
         self.renewals = 0
@@ -78,22 +84,32 @@ class RenewedSubscription(BusSubscription):
             self._renewing = asyncio.ensure_future(self._renew())
 
     async def _renew(self) -> None:
-        delay = RENEW_FIRST_DELAY_S
-        for attempt in range(1, RENEW_TRIES + 1):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._give_up_after_s
+        delay, attempt = RENEW_FIRST_DELAY_S, 0
+        while True:
+            attempt += 1
             try:
                 new = await self._open()
                 break
             except Exception as e:  # noqa: BLE001 - a background task: say so, try again
                 # e.g. a cluster still electing the stream's leader: the consumer cannot be
                 # made yet (nats-py's own reset of the old one may still come, later)
-                log.warning(
-                    "resubscribe_failed",
-                    subject=self.subject,
-                    attempt=attempt,
-                    error=f"{type(e).__name__}: {e}",
-                )
-                if attempt == RENEW_TRIES or self._closed:
+                error = f"{type(e).__name__}: {e}"
+                if self._closed:
                     return
+                if loop.time() + delay > deadline:
+                    log.error(
+                        "resubscribe_gave_up",
+                        subject=self.subject,
+                        attempts=attempt,
+                        error=error,
+                        note="kept the old subscription; the next reconnect tries again",
+                    )
+                    return
+                log.warning(
+                    "resubscribe_failed", subject=self.subject, attempt=attempt, error=error
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RENEW_MAX_DELAY_S)
         old, self._sub = self._sub, new._sub
