@@ -350,7 +350,12 @@ class Bus:
         consumer, opened again where it left off after a reconnect)."""
         subject = f"{self.names.metrics_subject(role)}.{type_}"
         sub = await subscribe_decoded(
-            self._nc, subject, MetricRecord, cb, js=self._js if replay else None
+            self._nc,
+            subject,
+            MetricRecord,
+            cb,
+            js=self._js if replay else None,
+            give_up_after_s=self.settings.outage_tolerance_s,
         )
         if isinstance(sub, RenewedSubscription):  # an ordered consumer: renewed on reconnect
             self._renewed.add(sub)

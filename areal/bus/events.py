@@ -134,6 +134,7 @@ async def subscribe_ordered(
     subject: str,
     cb: Callable[[Msg], Awaitable[None]],
     config: ConsumerConfig,
+    give_up_after_s: float = RENEW_GIVE_UP_S,
     **options: Any,
 ) -> RenewedSubscription:
     """A subscription through an ordered consumer (`config` says where it starts; `options`
@@ -141,7 +142,8 @@ async def subscribe_ordered(
     sequence after the last one delivered (or as `config` says, when none was yet). The old and
     the new consumer may both deliver for a moment; each stream sequence reaches `cb` once, in
     order, so a renewal neither misses a message nor repeats one (for `areal tap --history`,
-    `areal top`: records, not states, where a repeat would be counted twice)."""
+    `areal top`: records, not states, where a repeat would be counted twice). A renewal the
+    server cannot make yet is retried for `give_up_after_s`."""
     last = 0  # the highest stream sequence passed to `cb`
 
     async def on_msg(msg: Msg) -> None:
@@ -161,7 +163,7 @@ async def subscribe_ordered(
         sub = await js.subscribe(subject, cb=on_msg, config=cfg, ordered_consumer=True, **options)
         return BusSubscription(sub, subject)
 
-    return RenewedSubscription(await open_(), open_)
+    return RenewedSubscription(await open_(), open_, give_up_after_s)
 
 
 class EventSubscription(BusSubscription):
@@ -174,6 +176,7 @@ async def subscribe_decoded(
     cls: type[M],
     cb: Callable[[M], Awaitable[None]],
     js: JetStreamContext | None = None,
+    give_up_after_s: float = RENEW_GIVE_UP_S,
 ) -> BusSubscription:
     async def on_msg(msg: Msg) -> None:
         try:
@@ -185,7 +188,7 @@ async def subscribe_decoded(
 
     if js is not None:
         return await subscribe_ordered(
-            js, subject, on_msg, ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+            js, subject, on_msg, ConsumerConfig(deliver_policy=DeliverPolicy.ALL), give_up_after_s
         )
     return BusSubscription(await nc.subscribe(subject, cb=on_msg), subject)
 
