@@ -5,7 +5,9 @@ Invariants:
 - every model carries `schema_version`; a reader rejects a version it does not support with a
   clear error and ignores unknown fields (like the wire messages);
 - `TrainerState.returned` (dropped + filtered groups) is what admission gives back: the
-  controller admits while `admitted - returned + 1 <= (version + η + 1) * B`;
+  controller admits while `admitted - returned + 1 <= (i + η + 1) * B`, where
+  i = `TrainerState.published_steps` (`version - versions_skipped`: equal to `version` until a
+  restart rolls the version forward past weights its checkpoint did not cover);
 - accounting: `admitted = trained + dropped_stale + filtered + rejected + in_flight`
   (`Accounting`).
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.messages import Message
 
@@ -63,11 +65,34 @@ class TrainerState(_State):
     tokens: int = Field(0, ge=0, description="generated tokens trained on")
     wall_s: float = Field(0.0, ge=0, description="trainer wall time so far (s)")
     done: bool = Field(False, description="the run reached total_steps")
+    versions_skipped: int = Field(
+        0,
+        ge=0,
+        description="policy versions that restarts rolled forward over: weights announced by "
+        "steps no checkpoint covered (`TrainerService.restore`); those steps are redone under "
+        "new versions, so `version - versions_skipped` counts steps, not versions",
+    )
+
+    @model_validator(mode="after")
+    def _skipped_within_version(self) -> TrainerState:
+        if self.versions_skipped > self.version:
+            raise ValueError(
+                f"versions_skipped {self.versions_skipped} exceeds version {self.version}"
+            )
+        return self
 
     @property
     def returned(self) -> int:
         """Groups that gave their admission slot back (dropped, filtered or rejected)."""
         return self.dropped_stale + self.filtered + self.rejected
+
+    @property
+    def published_steps(self) -> int:
+        """AReaL's i, what admission counts: the training steps whose weights are announced.
+        `version` alone overcounts after a version rollforward. In the trainer's memory this is
+        `step`; in the KV record, whose `version` is capped at the last announced one, it is
+        `step - 1` while the latest step's weights are still uploading."""
+        return self.version - self.versions_skipped
 
 
 class CheckpointState(_State):
@@ -166,6 +191,9 @@ class StepRecord(BatchInfo):
     step: int
     version: int = Field(description="policy version after this step")
     trained_on_version: int = Field(description="policy version the batch was trained against")
+    versions_skipped: int = Field(
+        0, description="`TrainerState.versions_skipped`: `version - versions_skipped` = `step`"
+    )
     wall_s: float
     dropped_stale: int
     filtered: int

@@ -1,7 +1,9 @@
 """The staleness rule (AReaL eq. 3 and the intake check), shared by controller and trainer.
 
 Notation (DESIGN section 4): B = tasks per training step (``batch_size``), η = ``max_staleness``,
-i = latest published policy version (``version``).
+i = latest published policy version (``version``). For admission the caller passes the number
+of training steps whose weights are published: the same, except after a trainer restart rolled
+the version forward past versions whose steps it redoes (``TrainerState.published_steps``).
 
 Invariants:
 - Admission: a task may be admitted only while ``outstanding + 1 <= (i + η + 1) * B``, where

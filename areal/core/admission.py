@@ -1,12 +1,17 @@
 """Admission: which tasks the controller may publish now (AReaL eq. 3).
 
 Inputs: the controller's own `ControllerState` (tasks admitted so far) and the trainer's
-`TrainerState` as last read from KV (latest published version, returned slots).
+`TrainerState` as last read from KV (latest published version, versions skipped, returned
+slots).
 
 Invariants:
-- `admitted - returned <= (version + η + 1) * B` after every admission, where `version` is the
-  trainer's latest *published* version (never ahead of it) and `returned` = groups dropped
-  stale or filtered (they give their slot back);
+- `admitted - returned <= (i + η + 1) * B` after every admission, where i =
+  `TrainerState.published_steps` is the number of training steps whose weights are *published*
+  (never ahead of them) and `returned` = groups dropped stale or filtered (they give their slot
+  back). i is the latest published version until a trainer restart rolls the version forward
+  past weights its checkpoint did not cover (`versions_skipped`): counting versions then would
+  let those skipped versions' tasks be in flight on top of (η + 1) * B for the rest of the run.
+  A restart lowers i to its checkpoint's step: admission waits while the steps since are redone;
 - task k is dataset item k of the seeded order, and its message id is derived from k, so a
   restart that re-publishes tasks admitted but not yet persisted is de-duplicated by the server:
   nothing is admitted twice or skipped;
@@ -40,8 +45,8 @@ class AdmissionView:
 
     admitted: int
     outstanding: int  # admitted - returned
-    capacity: int  # (version + η + 1) * B
-    version: int
+    capacity: int  # (i + η + 1) * B, i = TrainerState.published_steps
+    version: int  # the trainer's latest published policy version
 
 
 class Admission:
@@ -59,7 +64,7 @@ class Admission:
         """Seqs of the tasks that may be published now, in order (empty when none may)."""
         p = self.policy
         outstanding = self.state.admitted - trainer.returned
-        n = admissible_count(outstanding, trainer.version, p.max_staleness, p.batch_size)
+        n = admissible_count(outstanding, trainer.published_steps, p.max_staleness, p.batch_size)
         n = min(n, p.total_steps * p.batch_size + trainer.returned - self.state.admitted)
         return range(self.state.admitted, self.state.admitted + max(0, n))
 
@@ -74,6 +79,6 @@ class Admission:
         return AdmissionView(
             admitted=self.state.admitted,
             outstanding=self.state.admitted - trainer.returned,
-            capacity=admission_capacity(trainer.version, p.max_staleness, p.batch_size),
+            capacity=admission_capacity(trainer.published_steps, p.max_staleness, p.batch_size),
             version=trainer.version,
         )

@@ -398,6 +398,7 @@ class Intake(Generic[H]):
             step=st.step,
             version=st.version,
             trained_on_version=trained_on_version,
+            versions_skipped=st.versions_skipped,
             wall_s=round(st.wall_s, 3),
             dropped_stale=st.dropped_stale,
             filtered=st.filtered,

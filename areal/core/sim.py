@@ -30,7 +30,10 @@ run ends. The streams are modelled in `areal.core.sim_streams`.
 
 Ground truth kept here (see `violations()`): task messages ever published, the trainer's lineage
 of task ends (in memory since the last written checkpoint, and durable), token versions. Checks:
-- `distinct admitted - returned <= (version + η + 1) * B` against the published trainer state;
+- `distinct admitted - returned <= (i + η + 1) * B` against the published trainer state, with
+  i its `published_steps` (steps, not versions: a restart's version rollforward does not raise
+  it), the most any state named (a restart lowers it to the checkpoint's step, and admission
+  already used the higher one; the steps since are redone);
 - nothing admitted twice or skipped; announced versions strictly increase;
 - no token older than its task's admission version (η = 0 is synchronous);
 - no trained sample older than η (from its oldest token); no task trained twice or with two ends;
@@ -190,6 +193,7 @@ class Sim:
         self.found: list[str] = []  # violations seen when they happened
         self.trace: list[str] = []
         self.returned_hwm = 0  # most slots the published trainer state ever gave back
+        self.steps_hwm = 0  # most published steps (admission's i) it ever named
         self.strict_over_admission: list[str] = []  # see `_publish_trainer`
         self._trainer_start()
 
@@ -203,8 +207,8 @@ class Sim:
 
     def violations(self) -> list[str]:
         """Every invariant broken now (cheap: meant to be called after every event)."""
-        cfg, kv, out = self.cfg, self.kv_trainer, list(self.found)
-        cap = admission_capacity(kv.version, cfg.max_staleness, cfg.batch_size)
+        cfg, out = self.cfg, list(self.found)
+        cap = admission_capacity(self.steps_hwm, cfg.max_staleness, cfg.batch_size)
         if self.admitted - self.returned_hwm > cap:
             out.append(f"over-admitted: {self.admitted} - {self.returned_hwm} > {cap}")
         if len(self.task_msgs) != self.admitted or set(self.task_msgs) != set(range(self.admitted)):
@@ -339,13 +343,15 @@ class Sim:
 
     # ------------------------------------------------------------------ trainer
     def _trainer_start(self) -> None:
-        """Restore from the last written checkpoint; roll the version past any announced."""
+        """Restore from the last written checkpoint; roll the version past any announced,
+        counting the versions skipped (as `TrainerService.restore`)."""
         intake = self.make_intake(self.intake_policy)
         if self.ckpt_disk is not None:
             intake.restore(self.ckpt_disk)
         version, latest = intake.state.version, (self.announced or [None])[-1]
         if latest is not None and latest > version:
             version = latest + 1
+            intake.state.versions_skipped += version - intake.state.version
         if latest != version:
             self._announce(version)
         intake.state.version = version
@@ -357,14 +363,17 @@ class Sim:
         """Write the trainer state to KV. A restart restores `returned` from the checkpoint, so
         it can fall below what the controller already admitted against: until the retired
         groups are redelivered and retired again, `admitted - returned` may exceed the bound.
-        The bound is checked against the high-water mark; each strict excess is recorded."""
+        The bound is checked against the high-water mark; each strict excess is recorded. A
+        restart also lowers i to the checkpoint's step: no excess, since the steps since are
+        redone with tasks already admitted, so i counts at its high-water mark."""
         assert self.intake is not None
         # durable_slots: returned as of the last written checkpoint (the production protocol)
         kv = self.intake.kv_state() if self.cfg.durable_slots else self.intake.state.model_copy()
         self.kv_trainer = kv
         self.returned_hwm = max(self.returned_hwm, kv.returned)
+        self.steps_hwm = max(self.steps_hwm, kv.published_steps)
         cfg = self.cfg
-        cap = admission_capacity(kv.version, cfg.max_staleness, cfg.batch_size)
+        cap = admission_capacity(self.steps_hwm, cfg.max_staleness, cfg.batch_size)
         if self.admitted - kv.returned > cap:
             self.strict_over_admission.append(
                 f"event {self.n_events}: {self.admitted} - {kv.returned} > {cap}"

@@ -325,10 +325,14 @@ class TrainerService:
         if latest is not None and latest.version > self.engine.version:
             # weights newer than the checkpoint were announced (a crash between publishing and
             # the next checkpoint): roll forward past them so versions stay monotonic. Only a
-            # trusted announcement counts: `latest_weights` skips any the trainer did not sign
+            # trusted announcement counts: `latest_weights` skips any the trainer did not sign.
+            # The steps behind the skipped versions are redone under new ones, and admission
+            # counts steps (`TrainerState.published_steps`): `versions_skipped` keeps
+            # `version - versions_skipped == step` (with or without a checkpoint)
             log.warning(
                 "version_rollforward", checkpoint=self.engine.version, announced=latest.version
             )
+            self.intake.state.versions_skipped += latest.version + 1 - self.engine.version
             self.engine.version = latest.version + 1
         self.intake.state.version = self.engine.version
         # only `_finish` of this incarnation makes the run done: the first publish of the run

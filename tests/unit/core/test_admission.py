@@ -1,4 +1,5 @@
-"""Admission (controller core): AReaL eq. 3 with returned slots and the total_steps cap."""
+"""Admission (controller core): AReaL eq. 3 with returned slots and the total_steps cap; i counts
+published steps, not versions (a restart can skip versions)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,23 @@ def test_restart_resumes_from_the_persisted_state() -> None:
     # version 2: (2 + 0 + 1) * 1 = 3 outstanding, 3 admitted -> nothing; version 3 -> seq 3
     assert list(adm.admissible(TrainerState(version=2))) == []
     assert list(adm.admissible(TrainerState(version=3))) == [3]
+
+
+def test_capacity_counts_steps_not_the_versions_a_restart_skipped() -> None:
+    # a trainer restored its step-10 checkpoint after announcing v11: it rolled forward to v12,
+    # skipping 2 versions (v11 was announced by a step it redoes, v12 is step 10's weights)
+    B, eta = 4, 1
+    adm = Admission(AdmissionPolicy(batch_size=B, max_staleness=eta, total_steps=100))
+    kv = TrainerState(version=12, versions_skipped=2, step=10, trained=40)
+    assert kv.published_steps == 10
+    # (10 + 1 + 1) * 4 = 48 outstanding, of which 40 trained: (eta + 1) * B = 8 in flight, not
+    # the (12 + 1 + 1) * 4 - 40 = 16 that counting versions would allow
+    assert publish_all(adm, kv) == list(range(48))
+    assert adm.state.admitted - kv.returned - kv.trained == (eta + 1) * B
+    v = adm.view(kv)
+    assert (v.outstanding, v.capacity, v.version) == (48, 48, 12)  # the version is reported
+    # the next step's weights are announced as v13: one more step, B more tasks
+    assert publish_all(adm, kv.model_copy(update={"version": 13, "step": 11})) == [48, 49, 50, 51]
 
 
 def test_published_in_order_only() -> None:
