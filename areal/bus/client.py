@@ -663,9 +663,14 @@ class Bus:
         """Store weights, then announce them (`RunWeights.put`; a `WeightsBlob` is streamed,
         never whole in memory); rides through a server outage (a stored object is overwritten
         by the retry, which streams the blob again; the announcement is de-duplicated)."""
+        # no reconnect race: the bytes move on the weights' own connection, which a reconnect
+        # of this one does not touch (a stuck upload meets its deadline), and the announcement
+        # is a publish, whose ack waits already fail at a reconnect; giving up the upload
+        # would only stream the whole blob again
         return await self._through_outage(
             lambda: self._weights.put(version, data, dtype, step, file_dir),
             f"storing weights v{version}",
+            retry_at_reconnect=False,
         )
 
     def weights_rejection(self, ann: WeightAnnouncement) -> str | None:

@@ -19,34 +19,42 @@ Streaming (a 1.5B model is 3 GiB in bf16): a blob is never whole in memory on ei
 
 Every transfer has a deadline that grows with its size, so a stuck transfer fails with a clear
 error instead of hanging the worker; the caller retries (rollout workers poll for the latest).
+An upload given up (its deadline, an error, the caller cancelled) purges the chunks it stored:
+no object names them, so nothing else would ever delete them (up to a whole blob each).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
+import hashlib
 import json
 import threading
 from collections.abc import Coroutine
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
+import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import ObjectMeta, ObjectMetaOptions
+from nats.js.api import Header, ObjectInfo, ObjectMetaOptions
 from nats.js.errors import NotFoundError
+from nats.js.kv import MSG_ROLLUP_SUBJECT
+from nats.nuid import NUID
 
 from areal.bus.auth import NO_CREDENTIALS, Credentials, Denials
 from areal.bus.blobs import CHUNK_BYTES, BytesBlob, BytesSink, WeightsBlob, WeightsSink
 from areal.bus.connection import connect
 from areal.bus.errors import WeightsRejected
 
+log = structlog.get_logger()
 T = TypeVar("T")
 
 THREAD_NAME = "areal-weights"
 DIRECT_BATCH = 16  # chunks per direct-get request (16 MiB in flight at most)
 REPLY_TIMEOUT_S = 30.0  # most seconds between two replies of a read
 DIGEST_PREFIX = "SHA-256="  # the object store's digest: SHA-256=<urlsafe base64>
+PURGE_TIMEOUT_S = 10.0  # most seconds the purge of an abandoned upload's chunks may take
 
 
 def transfer_timeout_s(nbytes: int) -> float:
@@ -55,8 +63,8 @@ def transfer_timeout_s(nbytes: int) -> float:
 
 
 class _BlobReader:
-    """A blob as the file-like reader the object store's `put` reads (`readinto`, run in an
-    executor thread): fills each chunk buffer whole from the blob's pieces, whatever their size."""
+    """A blob as a file-like reader (`readinto`, run in an executor thread, as the blob may
+    compute its pieces): fills each chunk buffer whole from the blob's pieces, whatever their size."""
 
     def __init__(self, blob: WeightsBlob) -> None:
         self._pieces = blob.chunks()
@@ -93,48 +101,76 @@ class WeightsChannel:
         self.url, self.client_name, self.bucket = url, client_name, bucket
         self.credentials = credentials
         self._denials = Denials()  # a put this account may not make times out: say why
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set once started
         self._thread: threading.Thread | None = None
         self._nc: Client | None = None
+        self._js = None
         self._obs = None
+        self._nuids = NUID()  # of the uploads' chunk subjects (used on the channel's loop only)
+        self._ops: set[asyncio.Task] = set()  # the callers' operations under way on that loop
 
     async def start(self) -> None:
-        ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(
-            target=self._run, args=(ready,), name=THREAD_NAME, daemon=True
-        )
-        self._thread.start()
-        await asyncio.wrap_future(ready)
-
-    def _run(self, ready: concurrent.futures.Future) -> None:
+        """Connect on a new thread's loop. A start that fails or is cancelled (a caller giving
+        up during an outage: the connect retries forever) stops that thread, which closes what
+        it opened, so nothing is left behind for a later start to duplicate."""
         loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
+        thread = threading.Thread(target=self._run, args=(loop,), name=THREAD_NAME, daemon=True)
+        thread.start()
         try:
-            self._nc = loop.run_until_complete(
-                connect(
-                    self.url, self.client_name, credentials=self.credentials, denials=self._denials
-                )
+            await asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(self._op(self._open()), loop)
             )
-            self._obs = loop.run_until_complete(self._nc.jetstream().object_store(self.bucket))
-        except BaseException as e:  # noqa: BLE001 - handed to the starting coroutine
-            loop.close()
-            ready.set_exception(e)
-            return
-        self._loop = loop
-        ready.set_result(None)
+        except BaseException:
+            loop.call_soon_threadsafe(loop.stop)  # the connect, if still trying, is cancelled
+            raise
+        self._loop, self._thread = loop, thread
+
+    async def _open(self) -> None:
+        self._nc = await connect(
+            self.url, self.client_name, credentials=self.credentials, denials=self._denials
+        )
+        self._js = self._nc.jetstream()
+        self._obs = await self._js.object_store(self.bucket)
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
         try:
             loop.run_forever()
         finally:
             try:
-                loop.run_until_complete(self._nc.close())
+                loop.run_until_complete(self._shutdown())
             finally:
                 loop.close()
+
+    async def _shutdown(self) -> None:
+        """The loop was stopped: the operations still under way are cancelled (an upload then
+        purges its chunks; one cancelled already is purging them) and given `PURGE_TIMEOUT_S`
+        to end, then the connection is closed."""
+        await asyncio.sleep(0)  # an operation handed over just before the stop starts (joins _ops)
+        for task in self._ops:
+            if not task.cancelling():
+                task.cancel()
+        if self._ops:
+            await asyncio.wait(self._ops, timeout=PURGE_TIMEOUT_S)
+        if self._nc is not None:
+            await self._nc.close()
+
+    async def _op(self, coro: Coroutine[Any, Any, T]) -> T:
+        """`coro`, known to `_shutdown` while it runs (on the channel's loop)."""
+        task = asyncio.current_task()
+        self._ops.add(task)
+        try:
+            return await coro
+        finally:
+            self._ops.discard(task)
 
     async def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._loop is None:
             coro.close()
             raise RuntimeError("weights channel is not started")
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        return await asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(self._op(coro), self._loop)
+        )
 
     # ------------------------------------------------------------ the caller's side
     async def put(self, name: str, data: bytes | WeightsBlob) -> str:
@@ -160,17 +196,14 @@ class WeightsChannel:
     async def close(self) -> None:
         if self._loop is not None and self._thread is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
-            await asyncio.to_thread(self._thread.join, 10.0)
+            await asyncio.to_thread(self._thread.join, PURGE_TIMEOUT_S + 5.0)
             self._loop = None
 
     # ------------------------------------------------------------ on the channel's loop
     async def _put(self, name: str, blob: WeightsBlob) -> str:
-        meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=CHUNK_BYTES))
         timeout_s = transfer_timeout_s(blob.nbytes)
         try:
-            info = await asyncio.wait_for(
-                self._obs.put(name, _BlobReader(blob), meta=meta), timeout_s
-            )
+            info = await asyncio.wait_for(self._store(name, blob), timeout_s)
         except asyncio.TimeoutError:
             if self._denials.any():  # the server refused a chunk or the metadata: no outage
                 raise self._denials.error(self._denials.last()) from None
@@ -183,6 +216,86 @@ class WeightsChannel:
                 f"weights {name}: the blob produced {info.size} bytes, it said {blob.nbytes}"
             )
         return hex_of_object_digest(info.digest)
+
+    def _chunk_subject(self, nuid: str) -> str:
+        return f"$O.{self.bucket}.C.{nuid}"
+
+    async def _store(self, name: str, blob: WeightsBlob) -> ObjectInfo:
+        """nats-py's `ObjectStore.put` (the same messages), except that an upload given up (an
+        error, its deadline, a caller that gave up) purges its chunks: the library does so only
+        for an error, and keeps the chunk subject to itself. Chunks go to
+        `$O.<bucket>.C.<new nuid>`, then the metadata (rolled up) to
+        `$O.<bucket>.M.<name in base64>`; the chunks of the object replaced are purged last."""
+        try:
+            old = await self._obs.get_info(name)
+        except NotFoundError:  # none, or deleted
+            old = None
+        nuid = self._nuids.next().decode()
+        subject, reader, buf = self._chunk_subject(nuid), _BlobReader(blob), bytearray(CHUNK_BYTES)
+        digest, size, n_chunks = hashlib.sha256(), 0, 0
+        loop = asyncio.get_running_loop()
+        # the publish in flight; shielded, so a chunk sent when the upload is given up is
+        # stored (acked) before the purge, not after it
+        sent: asyncio.Future | None = None
+        try:
+            while n := await loop.run_in_executor(None, reader.readinto, buf):
+                payload = buf[:n]  # a copy: the buffer is refilled for the next chunk
+                digest.update(payload)
+                sent = asyncio.ensure_future(self._js.publish(subject, payload))
+                await asyncio.shield(sent)
+                size, n_chunks = size + n, n_chunks + 1
+            info = ObjectInfo(
+                name=name,
+                bucket=self.bucket,
+                nuid=nuid,
+                size=size,
+                chunks=n_chunks,
+                digest=DIGEST_PREFIX + base64.urlsafe_b64encode(digest.digest()).decode(),
+                mtime=datetime.now(timezone.utc).isoformat(),
+                options=ObjectMetaOptions(max_chunk_size=CHUNK_BYTES),
+            )
+            meta_subject = f"$O.{self.bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+            sent = asyncio.ensure_future(
+                self._js.publish(
+                    meta_subject,
+                    json.dumps(info.as_dict()).encode(),
+                    headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT},
+                )
+            )
+            await asyncio.shield(sent)
+        except BaseException:  # an error, the deadline, or cancelled: purge, then raise
+            await self._drop_chunks(name, nuid, sent)
+            raise
+        if old is not None and old.nuid and old.nuid != nuid:
+            await self._js.purge_stream(f"OBJ_{self.bucket}", subject=self._chunk_subject(old.nuid))
+        return info
+
+    async def _drop_chunks(self, name: str, nuid: str, sent: asyncio.Future | None) -> None:
+        """Purge the chunks an upload given up stored on `nuid`, once its publish in flight
+        (`sent`) is settled, unless its metadata made it (given up while the last ack was on the
+        way: the object is whole, and a retry replaces it). Best effort, at most
+        `PURGE_TIMEOUT_S`; a failure is logged (the chunks then stay)."""
+
+        async def drop() -> None:
+            if sent is not None:
+                await asyncio.wait({sent})  # stored or failed: no chunk lands after the purge
+            try:
+                if (await self._obs.get_info(name)).nuid == nuid:
+                    return
+            except NotFoundError:
+                pass
+            await self._js.purge_stream(f"OBJ_{self.bucket}", subject=self._chunk_subject(nuid))
+
+        try:
+            await asyncio.wait_for(drop(), PURGE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - best effort: the upload's own outcome counts
+            log.warning(
+                "weights_chunks_not_purged",
+                bucket=self.bucket,
+                name=name,
+                subject=self._chunk_subject(nuid),
+                error=f"{type(e).__name__}: {e}",
+            )
 
     async def _read(self, name: str, nbytes: int | None, sink: WeightsSink) -> int:
         try:
