@@ -3,7 +3,9 @@ order, optionally in the background; the messages a checkpoint covers are acked 
 
 Invariants:
 - a lease is acked only after the checkpoint that covers its effect is on disk (`ack after
-  durable`), and only then does the intake learn the checkpoint is written;
+  durable`: its files and the renames that name them are fsync'ed, so a crash of the host
+  after the acks still finds them), and only then does the intake learn the checkpoint is
+  written;
 - checkpoints land in step order (a save starts only after the previous write landed);
 - the engine state and `trainer_state.json` are one pair: an engine state that changed is
   written under a new name (`engine-<version>`), then `trainer_state.json`, which names it, is
@@ -45,9 +47,37 @@ log = structlog.get_logger()
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` at once, durably: the new file is on disk before it takes the
+    name, and the rename is on disk before this returns (a crash of the host, not only of the
+    process, then leaves the old file or the new one, never an empty one)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush `path` to disk: a file, or a directory with every file and directory under it
+    (their contents and their entries). An engine writes its checkpoint its own way (torch,
+    DeepSpeed, DCP); this makes any of them durable before the messages it covers are acked."""
+    if path.is_dir():
+        for root, _dirs, files in os.walk(path):
+            for name in files:
+                _fsync(os.path.join(root, name))
+            _fsync(root)
+    else:
+        _fsync(str(path))
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class CheckpointWriteError(RuntimeError):
@@ -133,6 +163,8 @@ class Checkpointer:
                     await asyncio.to_thread(self.engine.write_checkpoint, snap, engine_path)
                 elif engine_changed:
                     await asyncio.to_thread(self.engine.save_checkpoint, engine_path)
+                if snap is not None or engine_changed:  # on disk before the state names it
+                    await asyncio.to_thread(fsync_path, Path(engine_path))
                 state = ckpt.model_dump_json()
                 await asyncio.to_thread(write_text_atomic, self.dir / STATE_FILE, state)
                 self._engine_dir = ckpt.engine_dir

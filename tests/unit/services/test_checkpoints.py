@@ -45,9 +45,9 @@ class Recorder:
         self.acked = True
 
 
-def filed_intake() -> tuple[Intake[Recorder], Recorder]:
+def filed_intake(lease: Recorder | None = None) -> tuple[Intake[Recorder], Recorder]:
     intake: Intake[Recorder] = Intake(IntakePolicy(batch_size=1, group_size=1, max_staleness=0))
-    lease = Recorder()
+    lease = lease or Recorder()
     sample = make_sample(3, task_id="t0", task_seq=0, sample_idx=0, group_size=1)
     scored = ScoredSample(sample=sample, reward=1.0)
     intake.file([scored], lease)
@@ -92,6 +92,7 @@ async def test_the_next_save_waits_for_the_write_in_flight(tmp_path):
     class SlowEngine(FlakyEngine):
         def write_checkpoint(self, snap: dict, path: str) -> None:
             order.append(f"write {snap['version']}")
+            Path(path).mkdir(parents=True, exist_ok=True)
 
     engine = SlowEngine(failures=0)
 
@@ -168,3 +169,44 @@ async def test_a_crash_between_the_engine_and_the_state_write_keeps_the_previous
     await fresh.save(intake, background=False)
     assert [p.name for p in d.glob("engine*")] == ["engine-00000002"]  # the stale one went
     assert fresh.load().engine_dir == "engine-00000002"
+
+
+class FileEngine(FlakyEngine):
+    """Writes a real engine state: a directory with a file in it (as DeepSpeed or DCP do)."""
+
+    def save_checkpoint(self, path: str) -> None:
+        super().save_checkpoint(path)
+        (Path(path) / "model.pt").write_bytes(b"weights")
+
+
+async def test_a_checkpoint_is_fsynced_before_what_it_covers_is_acked(tmp_path, monkeypatch):
+    """A crash of the host (not only of the process) after the acks must still find the
+    checkpoint: its engine files, the state file and the renames that name them are flushed to
+    disk first."""
+    import os
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    engine, d = FileEngine(failures=0), tmp_path / "ckpt"
+
+    class OrderedLease(Recorder):
+        async def ack(self) -> None:
+            synced.append("ack")
+            await super().ack()
+
+    intake, _ = filed_intake(OrderedLease())
+    ckpt = Checkpointer(engine, d, noop)
+    engine.version = 1
+    await ckpt.save(intake, background=True)
+    await ckpt.flush()
+    engine_dir = d / "engine-00000001"
+    assert "ack" in synced
+    before_ack = synced[: synced.index("ack")]
+    for path in (engine_dir / "model.pt", engine_dir, d / STATE_FILE, d):
+        assert str(path) in before_ack, (path, synced)
