@@ -69,7 +69,11 @@ class NatsSettings(_Part):
         30.0, gt=1, description="JetStream ack wait (s); leases heartbeat at 1/3"
     )
     max_deliver: int = Field(
-        5, ge=1, description="deliveries before a failing message is dead-lettered"
+        5,
+        ge=1,
+        description="deliveries of a message before it is dead-lettered (its task retired as "
+        "rejected): its handler failed this many times, or the workers holding it stopped or "
+        "died; enforced by the bus, not the server, so no message is ever left undelivered",
     )
     memory_storage: bool = Field(False, description="keep streams in memory (faster, not durable)")
     duplicate_window_s: float = Field(

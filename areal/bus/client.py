@@ -9,8 +9,12 @@ Invariants:
   `BusUnavailable` with the reason (never a bare timeout mistaken for something else);
 - a consumed message is held by a `Lease` that heartbeats `in_progress` until the handler settles
   it (ack only once its effect is durable: published downstream or folded into a checkpoint);
-- a message that cannot be decoded, or whose handler keeps failing up to `max_deliver`, goes to
-  `areal.<run>.dlq.<stage>` with the reason and is then removed; the worker keeps running;
+- a message that cannot be decoded, whose handler keeps failing up to `max_deliver`, or that
+  is delivered more than `max_deliver` times (the workers holding it stopped or died), goes to
+  `areal.<run>.dlq.<stage>` with the reason and is then removed, through the stage's `refuse`
+  (which tells the trainer, so the task is retired, not lost); the worker keeps running. The
+  server never stops delivering a message by itself (its consumers have no `max_deliver`): one
+  it gave up on would sit in the work queue unseen, its task never ending;
 - the bus is sealed: its nats connection and JetStream context are private; callers get typed
   methods (publish/consume, run state, weights, events, stream depth) and never a nats object;
 - a failure is raised, never turned into a normal answer (`latest_weights` is None only when
@@ -135,6 +139,8 @@ class ConnectionStats:
 
 
 Handler = Callable[[M, Lease], Awaitable[None]]
+# dead-letters a message of the stage with the reason, and tells the trainer when it names a task
+Refuse = Callable[[M, Lease, str], Awaitable[None]]
 
 
 class Bus:
@@ -499,16 +505,22 @@ class Bus:
         stop: asyncio.Event,
         expires_s: float = 5.0,
         inline: bool = False,
+        refuse: Refuse[M] | None = None,
     ) -> None:
         """Pull from the stage's durable consumer and run `handler(message, lease)` for each.
 
         At most `max_inflight` leases of this consumer are unsettled at once: pull requests stay
         open on the server for only as many messages as there is room for
         (`areal.bus.jetstream`). A handler that raises gets its message nak'ed (redelivered with
-        a delay) until `max_deliver`, then dead-lettered with the error. `inline=True` awaits
-        each handler in the loop instead of starting a task per message: for handlers that only
-        file the message away (the trainer's), it saves a task per message. On return, messages
-        delivered but not handled yet are nak'ed so another worker takes them at once.
+        a delay) until `max_deliver`, then given up on with the error; so is a message delivered
+        more than `max_deliver` times, whatever handed it back (failures, workers that stopped
+        or died holding it), before its handler runs. Giving up is `refuse(message, lease,
+        reason)`: the stage dead-letters it and, when it names a task of the run, tells the
+        trainer (a rejection marker), so the task is retired rather than lost; without `refuse`
+        it is dead-lettered only. `inline=True` awaits each handler in the loop instead of
+        starting a task per message: for handlers that only file the message away (the
+        trainer's), it saves a task per message. On return, messages delivered but not handled
+        yet are nak'ed so another worker takes them at once.
         """
         pull = PullInbox(
             self._nc,
@@ -536,28 +548,62 @@ class Bus:
                         continue
                     self._leases.add(lease)
                     pull.held.add(lease)
-                    if inline:
-                        await self._run_handler(handler, obj, lease)
+                    if lease.num_delivered > self.settings.max_deliver:
+                        reason = (
+                            f"delivered {lease.num_delivered} times without being settled "
+                            f"(nats.max_deliver={self.settings.max_deliver}): its handlers "
+                            "failed, or the workers holding it stopped or died"
+                        )
+                        work = self._give_up(obj, lease, reason, refuse)
                     else:
-                        self._spawn(self._run_handler(handler, obj, lease))
+                        work = self._run_handler(handler, obj, lease, refuse)
+                    if inline:
+                        await work
+                    else:
+                        self._spawn(work)
         finally:
             for raw in await pull.close():
                 # best effort: if the connection is gone, the server redelivers after ack_wait
                 with contextlib.suppress(nats.errors.Error):
                     await raw.nak()
 
-    async def _run_handler(self, handler: Handler, obj: Message, lease: Lease) -> None:
+    async def _run_handler(
+        self, handler: Handler, obj: Message, lease: Lease, refuse: Refuse | None
+    ) -> None:
         try:
             await handler(obj, lease)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # a failing handler must not kill the worker: nak, then DLQ
+        except Exception as e:  # a failing handler must not kill the worker: nak, then give up
             reason = f"handler failed: {type(e).__name__}: {e}"
             log.exception("handler_failed", stage=lease.stage, delivered=lease.num_delivered)
             if lease.num_delivered >= self.settings.max_deliver:
-                await lease.dead_letter(reason)
+                await self._give_up(obj, lease, reason, refuse)
             else:
-                await lease.nak(delay_s=1.0)
+                await self._hand_back(lease)
+
+    async def _give_up(
+        self, obj: Message, lease: Lease, reason: str, refuse: Refuse | None
+    ) -> None:
+        """Dead-letter a message that used up its deliveries (through the stage's `refuse`). If
+        that fails too (e.g. the server is away past `outage_tolerance_s`), the message is
+        handed back, to be given up on at its next delivery."""
+        try:
+            if refuse is not None:
+                await refuse(obj, lease, reason)
+            else:
+                await lease.dead_letter(reason)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the worker goes on; the message comes back
+            log.exception("give_up_failed", stage=lease.stage, delivered=lease.num_delivered)
+            await self._hand_back(lease)
+
+    @staticmethod
+    async def _hand_back(lease: Lease) -> None:
+        # best effort: a nak that does not reach the server is a redelivery after ack_wait
+        with contextlib.suppress(nats.errors.Error):
+            await lease.nak(delay_s=1.0)
 
     @property
     def held_leases(self) -> int:

@@ -142,7 +142,10 @@ def consumer_config(stream: str, nats: NatsSettings) -> ConsumerConfig:
         durable_name=S.CONSUMER_OF[stream],
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=nats.ack_wait_s,
-        max_deliver=nats.max_deliver,
+        # never given up on by the server: a message it stopped delivering would stay in the
+        # work queue unseen and its task never end. `nats.max_deliver` is enforced by the bus
+        # (`Bus.consume`), which dead-letters it and tells the trainer
+        max_deliver=UNLIMITED,
         max_ack_pending=-1,
         max_waiting=512,
         num_replicas=nats.replicas,

@@ -13,6 +13,11 @@ Invariants:
 - interruptible: a pending update is switched to at a token boundary, at most once per
   `interrupt_min_interval_s`; not interruptible: with an update pending nothing new starts, the
   running batch drains on the old weights, and the update is applied between batches;
+- a version counts as loaded only while the engine holds it: a switch the engine fails
+  (`switch_failed`) takes the scheduler back to the engine's version, and the update is pending
+  again for a retry (unless a newer one came meanwhile), so a failed load never uses up a
+  version. Requests started at a boundary on the strength of that switch are the caller's to
+  hand back (`fail_all`: the rollout does, as the engine's `generate` raises with the load);
 - a redelivery of a task still being generated here is adopted, not acked: its handle is kept
   with the task and settled when the task's samples are all published (acking it at once would
   lose the task if this worker then died);
@@ -171,6 +176,14 @@ class Scheduler(Generic[H, W]):
         self.version = update[0]
         self.last_switch = now
         return update
+
+    def switch_failed(self, update: tuple[int, W], engine_version: int) -> None:
+        """The engine did not load `update` (from a switch) and holds `engine_version`: that is
+        the loaded version again, and `update` is pending again for a retry unless a newer
+        update is. When to retry is the caller's (it backs off; time is not read here)."""
+        self.version = engine_version
+        if engine_version < update[0] and (self.pending is None or self.pending[0] < update[0]):
+            self.pending = update
 
     def take_requests(self, now: float, max_n: int | None = None) -> list[Request]:
         """Generating thread, at a token boundary: queued requests that may start now.

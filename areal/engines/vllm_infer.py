@@ -16,9 +16,12 @@ Invariants (the same contract as ``TorchInferenceEngine``):
   version label, resume. Tokens already generated keep their log-probs and versions; no request
   is dropped or resubmitted.
 - Weight reload: the state dict is written as safetensors to a temp dir (``/dev/shm`` when
-  there) and each worker reloads it in place through vLLM's layerwise reload
-  (``VLLMWorkerExtension``). On the CPU build the packed GEMM weights of modules that reload
-  leaves unprocessed (a tied ``lm_head``) are rebuilt, else logits would use the old weights.
+  there and it has room, else the system temp dir) and each worker reloads it in place through
+  vLLM's layerwise reload (``VLLMWorkerExtension``). On the CPU build the packed GEMM weights of
+  modules that reload leaves unprocessed (a tied ``lm_head``) are rebuilt, else logits would use
+  the old weights. Only a reload that broke off (the RPC or the relabel) makes ``generate``
+  refuse until a good ``load_weights``: the model may hold a mix of two versions. A write that
+  fails (a full disk) never touched the model: generation goes on under the old version.
 - Continuous admission as in the torch engine: at most ``max_batch_size`` requests are in vLLM
   at once; ``poll_requests`` is asked while fewer are in flight or waiting; each sample is
   reported through ``on_finished`` as soon as it finishes. Prefix caching is on.
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import shutil
 import tempfile
 import threading
 import time
@@ -167,9 +171,25 @@ def _gen_output(flight: _Flight, ro: Any, stop_ids: set[int]) -> GenOutput:
     )
 
 
-def _shm_dir() -> str | None:
+SHM_HEADROOM_BYTES = 16 * 2**20  # room kept in /dev/shm beside the weights (header, others)
+
+
+def _shm_dir(nbytes: int) -> str | None:
+    """``/dev/shm`` when it is writable and has room for ``nbytes`` of weights; else None (the
+    system temp dir: slower, but a container's default 64 MiB /dev/shm holds no real model)."""
     shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and shm.stat().st_mode & 0o002 else None
+    if not (shm.is_dir() and shm.stat().st_mode & 0o002):
+        return None
+    free = shutil.disk_usage(shm).free
+    if free < nbytes + SHM_HEADROOM_BYTES:
+        log.warning(
+            "weights_tmp_on_disk",
+            reason="/dev/shm too small for the weights (docker: raise the service's shm_size)",
+            need_mib=round(nbytes / 2**20),
+            free_mib=round(free / 2**20),
+        )
+        return None
+    return str(shm)
 
 
 class VLLMInferenceEngine:
@@ -280,9 +300,10 @@ class VLLMInferenceEngine:
         await self.llm.pause_generation(mode="keep", clear_cache=True)
         t1 = time.perf_counter()
         try:
-            self._reload_failed = True  # until the whole reload is through
-            with tempfile.TemporaryDirectory(prefix="areal-vllm-", dir=_shm_dir()) as d:
+            tmp = _shm_dir(self._nbytes(update.state_dict))
+            with tempfile.TemporaryDirectory(prefix="areal-vllm-", dir=tmp) as d:
                 await asyncio.to_thread(self._write_weights, update.state_dict, d)
+                self._reload_failed = True  # from the first parameter written to the relabel
                 await self.llm.collective_rpc("areal_reload_weights", args=(d,))
             await self.llm.update_weight_version(str(update.version))
             self.version = update.version
@@ -296,6 +317,15 @@ class VLLMInferenceEngine:
             "resume_s": time.perf_counter() - t2,
         }
         log.info("vllm_weights_reloaded", policy_version=self.version, **self.last_switch_s)
+
+    def _nbytes(self, state_dict: dict[str, torch.Tensor]) -> int:
+        """Bytes of the tensors `_write_weights` writes (floats in the engine's dtype)."""
+        size = self._dtype.itemsize
+        return sum(
+            v.numel() * (size if v.is_floating_point() else v.element_size())
+            for k, v in state_dict.items()
+            if not (self._tied and k == "lm_head.weight")
+        )
 
     def _write_weights(self, state_dict: dict[str, torch.Tensor], path: str) -> None:
         """The state dict as one safetensors file in the engine's dtype (a tied ``lm_head``

@@ -221,6 +221,7 @@ class RewardService:
                 # groups: up to a few pool calls' worth of samples waiting per scoring process
                 max_inflight=max(16, self.batch_size // 2) * self.pool_workers,
                 stop=stop,
+                refuse=lambda group, lease, reason: self._refuse(group.first, lease, reason),
             )
         finally:
             hb.cancel()

@@ -25,7 +25,17 @@ Invariants (the scheduling ones are the core's):
   the bus pays per message; a group over `max_payload` goes in parts: `publish_group`); a task's message is acked only after its group is published; a
   redelivery of a task in progress here is adopted (held and acked with it), and a task whose
   group cannot be published, or whose generation fails, is handed back (nak) for another
-  attempt;
+  attempt, up to `nats.max_deliver` deliveries: then it is dead-lettered and a rejection
+  marker retires it (`Bus.consume` with `refuse`), never left undelivered;
+- a task handed back is redelivered after `HAND_BACK_DELAY_S`, so a failing engine does not
+  spin tasks through redeliveries;
+- a weight load that fails (at a token boundary or between batches; any error) leaves the
+  engine on the version it held: the scheduler goes back to it (`Scheduler.switch_failed`), a
+  running batch is handed back, and the update is retried between batches after a pause that
+  doubles from `LOAD_RETRY_S` to `LOAD_RETRY_MAX_S` per failure in a row (back to
+  `LOAD_RETRY_S` once a load goes through). Nothing generates until one does (the model may
+  hold a half-loaded mix), so tokens keep the version that really produced them and no task
+  starts on weights older than its admission version;
 - with an `Evaluator`, a due evaluation round lets the running batch finish (no new requests
   join it), then runs between batches on the weights held (`areal/services/evaluation.py`).
 """
@@ -60,6 +70,10 @@ from schemas.state import EvalClaim, eval_claim_key
 log = structlog.get_logger()
 
 StateDict = dict[str, torch.Tensor]
+
+HAND_BACK_DELAY_S = 1.0  # a task handed back (nak) is redelivered after this (the bus's too)
+LOAD_RETRY_S = 1.0  # pause after a failed weight load, doubled per failure in a row ...
+LOAD_RETRY_MAX_S = 30.0  # ... up to this
 
 
 def _sample_group(samples: list[Sample]) -> SampleGroup:
@@ -98,6 +112,11 @@ class RolloutService:
         self._weights_changed = asyncio.Event()
         self._weights_sub: RenewedSubscription | None = None  # while `run` runs
         self._fetching: set[int] = set()  # versions being downloaded (guarded by _lock)
+        self._to_fetch: WeightAnnouncement | None = None  # the newest not yet taken up
+        self._fetcher: asyncio.Future[None] | None = None  # the task fetching (`on_weights`)
+        # the last update `_poll_weights` handed the engine during a `generate` call
+        self._switching: tuple[int, StateDict] | None = None
+        self._load_failures = 0  # weight loads failed in a row (the retry pause doubles)
         self._queue_changed = asyncio.Event()
         self._publishes: set[asyncio.Task] = set()
         self.meter = BusyMeter()
@@ -111,9 +130,27 @@ class RolloutService:
         return bool(self._fetching) and max(self._fetching) >= version
 
     async def on_weights(self, ann: WeightAnnouncement) -> None:
+        """A weights announcement (the subscription's callback; `_await_version` calls it too):
+        fetch, check and offer the weights, if newer than any known. The fetch runs in a task of
+        the service's own, which the caller awaits shielded: a renewal of the subscription (at
+        every reconnect) cancels the callback under way, not the download, which would
+        otherwise start over from the new subscription's first delivery."""
         if self.bus.weights_rejection(ann) is not None:  # not the trainer's (logged): ignore
             return
         self._published = max(self._published, ann.version)
+        if self._to_fetch is None or ann.version > self._to_fetch.version:
+            self._to_fetch = ann
+        if self._fetcher is None or self._fetcher.done():
+            self._fetcher = asyncio.ensure_future(self._fetch_announced())
+        await asyncio.shield(self._fetcher)
+
+    async def _fetch_announced(self) -> None:
+        """The fetcher task: the newest announcement handed in, until none is left."""
+        while self._to_fetch is not None:
+            ann, self._to_fetch = self._to_fetch, None
+            await self._fetch_and_offer(ann)
+
+    async def _fetch_and_offer(self, ann: WeightAnnouncement) -> None:
         with self._lock:
             if ann.version <= self.sched.known_version or self._fetch_covers(ann.version):
                 return
@@ -227,10 +264,61 @@ class RolloutService:
         return unpack(self._tasks[r.task_id][0].prompt_ids).tolist()
 
     def _poll_weights(self) -> WeightUpdate | None:
-        """Generating thread, at token boundaries (interruptible mode)."""
+        """Generating thread, at token boundaries (interruptible mode): the update the engine
+        loads now, kept until `generate` returns (a load that fails raises out of it)."""
         with self._lock:
             update = self.sched.switch_at_boundary(time.monotonic())
+            if update is not None:
+                self._switching = update
         return WeightUpdate(*update) if update is not None else None
+
+    async def _load_between_batches(self, stop: asyncio.Event) -> bool:
+        """Load the pending update, if any; False when the load failed (then it is pending
+        again, and the pause before its retry is over)."""
+        with self._lock:
+            update = self.sched.switch_between_batches(time.monotonic())
+        if update is None:
+            return True
+        try:
+            await asyncio.to_thread(self.engine.load_weights, WeightUpdate(*update))
+        except Exception as e:  # refused or failed (CUDA, RPC, disk): retried after a pause
+            await self._load_failed(update, e, stop)
+            return False
+        self._load_failures = 0
+        log.info("weights_loaded", policy_version=update[0])
+        return True
+
+    async def _switched_at_boundaries(self, error: Exception | None, stop: asyncio.Event) -> None:
+        """After a `generate` call: did the engine load what `_poll_weights` handed it? A load
+        that raised out of `generate` left the engine on an older version."""
+        with self._lock:
+            switching, self._switching = self._switching, None
+        if switching is None:
+            return
+        if self.engine.version >= switching[0]:
+            self._load_failures = 0
+        else:
+            await self._load_failed(switching, error or RuntimeError("load not done"), stop)
+
+    async def _load_failed(
+        self, update: tuple[int, StateDict], error: BaseException, stop: asyncio.Event
+    ) -> None:
+        """The engine did not load `update`: the scheduler goes back to the engine's version
+        with the update kept for a retry, after a pause (the module invariants)."""
+        with self._lock:
+            self.sched.switch_failed(update, self.engine.version)
+        pause_s = min(LOAD_RETRY_S * 2 ** min(self._load_failures, 16), LOAD_RETRY_MAX_S)
+        self._load_failures += 1
+        log.error(
+            "weights_load_failed",
+            version=update[0],
+            policy_version=self.engine.version,
+            error=f"{type(error).__name__}: {error}",
+            failures_in_a_row=self._load_failures,
+            retry_in_s=pause_s,
+        )
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), pause_s)
 
     def _on_finished(self, loop: asyncio.AbstractEventLoop, out: GenOutput) -> None:
         """Generating thread -> event loop: file the sample; a complete group goes out."""
@@ -284,7 +372,7 @@ class RolloutService:
                 self._tasks.pop(task_id, None)
                 self._finished.pop(task_id, None)
         for lease in leases:
-            await (lease.ack() if ack else lease.nak())
+            await (lease.ack() if ack else lease.nak(delay_s=HAND_BACK_DELAY_S))
 
     # ------------------------------------------------------------------ evaluation
     def _eval_due(self) -> int | None:
@@ -332,14 +420,9 @@ class RolloutService:
             if needed is not None:
                 await self._await_version(needed, stop)
                 continue
-            with self._lock:
-                update = self.sched.switch_between_batches(time.monotonic())
-            if update is not None:
-                try:
-                    await asyncio.to_thread(self.engine.load_weights, WeightUpdate(*update))
-                    log.info("weights_loaded", policy_version=update[0])
-                except ValueError as e:  # refused whole (checked before the copy): keep going
-                    log.error("weights_load_failed", version=update[0], error=str(e))
+            if not await self._load_between_batches(stop):
+                continue  # nothing generates until a load goes through (retried after a pause)
+            error: Exception | None = None
             self.meter.start()
             try:
                 await asyncio.to_thread(
@@ -350,14 +433,16 @@ class RolloutService:
                     on_finished=lambda out: self._on_finished(loop, out),
                     poll_requests=self._poll_requests,
                 )
-            except Exception:  # engine failure: hand every task back (nak), keep running
+            except Exception as e:  # engine failure: hand every task back (nak), keep running
                 log.exception("generate_failed")
+                error = e
                 with self._lock:
                     leases, self._tasks, self._finished = self.sched.fail_all(), {}, {}
                 for lease in leases:
-                    await lease.nak()
+                    await lease.nak(delay_s=HAND_BACK_DELAY_S)
             finally:
                 self.meter.stop()
+            await self._switched_at_boundaries(error, stop)
 
     def heartbeat(self) -> dict:
         return {
@@ -376,12 +461,19 @@ class RolloutService:
         hb = asyncio.create_task(heartbeat_loop(self.bus, self.heartbeat, stop))
         try:
             await self.bus.consume(
-                S.PROMPTS, Task, self.handle, max_inflight=self.max_concurrent_tasks, stop=stop
+                S.PROMPTS,
+                Task,
+                self.handle,
+                max_inflight=self.max_concurrent_tasks,
+                stop=stop,
+                refuse=self._refuse,
             )
         finally:
             gen.cancel()
             hb.cancel()
             await sub.unsubscribe()
+            if self._fetcher is not None:
+                self._fetcher.cancel()
             if self.evaluator is not None:
                 self.evaluator.close()
             # what this replica did: `docker compose logs rollout` shows each replica's share

@@ -391,9 +391,18 @@ class TrainerService:
         evals = await self.bus.subscribe_metrics("rollout", "eval", self._on_eval, replay=True)
         consumer = asyncio.create_task(
             self.bus.consume(
-                S.REWARDS, ScoredGroup, self.handle, max_inflight=1_000_000, stop=stop, inline=True
+                S.REWARDS,
+                ScoredGroup,
+                self.handle,
+                max_inflight=1_000_000,
+                stop=stop,
+                inline=True,
+                refuse=lambda group, lease, reason: self._refuse(group.first, lease, reason),
             )
         )
+        # a consumer that died (its error is raised below) ends the wait for data at once: the
+        # worker exits with it, and the launcher's restart gets the held messages back
+        consumer.add_done_callback(lambda _: stop.set())
         hb = asyncio.create_task(heartbeat_loop(self.bus, self.heartbeat, stop))
         log.info("trainer_started", policy_version=self.engine.version, step=self.intake.state.step)
         try:
@@ -403,8 +412,6 @@ class TrainerService:
                 if batch is None:
                     break
                 await self.step(batch, time.perf_counter() - t_wait)
-                if consumer.done():
-                    consumer.result()  # surface a consumer crash
             if self.intake.state.step >= self.opts.total_steps:
                 return await self._finish()
             # a stop mid-run (Ctrl-C, SIGTERM) keeps what was trained since the last periodic

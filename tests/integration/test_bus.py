@@ -159,6 +159,71 @@ async def _handler_failures_dead_letter(bus: Bus, raw: Client) -> None:
     await consumer
 
 
+async def test_a_message_handed_back_past_max_deliver_is_given_up_not_stranded(nats_url, run_id):
+    """Workers that stop or die holding a message hand it back without failing: the server
+    never stops delivering it (a message it gave up on would sit in the work queue unseen), and
+    the bus gives it to the stage's `refuse` on the delivery after `max_deliver`, before the
+    handler runs."""
+    bus = await make_bus(nats_url, run_id, max_deliver=2)
+    seen: list[int] = []
+    refused: list[tuple[str, int, str]] = []
+    stop = asyncio.Event()
+
+    async def handler(obj, lease):  # as a worker that stops holding it: handed back unhandled
+        seen.append(lease.num_delivered)
+        await lease.nak()
+
+    async def refuse(obj, lease, reason):
+        refused.append((obj.task_id, lease.num_delivered, reason))
+        await lease.dead_letter(reason)
+
+    consumer = asyncio.create_task(
+        bus.consume(S.TRAJECTORIES, Sample, handler, max_inflight=1, stop=stop, refuse=refuse)
+    )
+    s = make_sample()
+    await bus.publish(S.TRAJECTORIES, s)
+    await wait_for(lambda: refused, timeout=15)
+    assert seen == [1, 2]
+    assert refused[0][:2] == (s.task_id, 3)
+    assert "delivered 3 times" in refused[0][2] and "max_deliver=2" in refused[0][2]
+    await wait_for(lambda: not bus.held_leases, timeout=5)
+    assert await bus.stream_depth(S.TRAJECTORIES) == 0  # removed, not left undelivered
+    assert await bus.stream_depth(S.DLQ) == 1
+    stop.set()
+    await consumer
+    await bus.close()
+
+
+async def test_a_failing_refuse_hands_the_message_back_for_another_try(nats_url, run_id):
+    """Giving up needs the bus too (a dead letter, a marker): if that fails, the message is
+    handed back and given up on at its next delivery; the consumer keeps running."""
+    bus = await make_bus(nats_url, run_id, max_deliver=1)
+    tries: list[int] = []
+    stop = asyncio.Event()
+
+    async def handler(obj, lease):
+        raise RuntimeError("scorer exploded")
+
+    async def refuse(obj, lease, reason):
+        tries.append(lease.num_delivered)
+        if len(tries) == 1:
+            raise nats.errors.TimeoutError
+        await lease.dead_letter(reason)
+
+    consumer = asyncio.create_task(
+        bus.consume(S.TRAJECTORIES, Sample, handler, max_inflight=1, stop=stop, refuse=refuse)
+    )
+    await bus.publish(S.TRAJECTORIES, make_sample())
+    await wait_for(lambda: len(tries) == 2, timeout=15)
+    assert tries == [1, 2]  # the handler's failure at the limit, then the next arrival
+    await wait_for(lambda: not bus.held_leases, timeout=5)
+    assert await bus.stream_depth(S.DLQ) == 1
+    assert not consumer.done()
+    stop.set()
+    await consumer
+    await bus.close()
+
+
 async def test_lease_heartbeat_prevents_redelivery_of_long_work(nats_url, run_id):
     bus = await make_bus(nats_url, run_id, ack_wait_s=1.5)
     await bus.publish(S.TRAJECTORIES, make_sample())

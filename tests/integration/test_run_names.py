@@ -137,12 +137,15 @@ async def test_a_foreign_consumer_with_the_stages_name_is_a_conflict(url):
 
 async def test_the_same_run_redeclared_with_other_limits_is_updated(url):
     names = RunNames("run-d")
-    first = await Bus.connect(url, "run-d", "rollout", "d-0", NatsSettings(max_deliver=5))
+    first = await Bus.connect(url, "run-d", "rollout", "d-0", NatsSettings(ack_wait_s=30))
     again = await Bus.connect(
-        url, "run-d", "rollout", "d-1", NatsSettings(max_deliver=3, weights_keep=2)
+        url, "run-d", "rollout", "d-1", NatsSettings(ack_wait_s=20, weights_keep=2)
     )
     layout = await server_layout(url, names)
-    assert layout[f"{names.stream(S.PROMPTS)}/rollout"]["max_deliver"] == 3
+    consumer = layout[f"{names.stream(S.PROMPTS)}/rollout"]
+    assert consumer["ack_wait"] == 20 * 10**9  # nanoseconds
+    # the bus enforces nats.max_deliver itself: the server never stops delivering a message
+    assert consumer["max_deliver"] == -1
     assert layout[names.stream(S.WEIGHTS)]["max_msgs"] == 8  # weights_keep 2 * 4 announcements
     await first.close()
     await again.close()

@@ -84,6 +84,56 @@ def test_interrupt_min_interval_rate_limits_switches() -> None:
     assert s.switch_at_boundary(110.0) == (2, "w2")
 
 
+def test_a_failed_switch_at_a_boundary_is_pending_again() -> None:
+    s: Scheduler[str, str] = Scheduler(INTERRUPTIBLE)
+    s.on_task("t0", 2, 1, "h")
+    assert s.offer_weights(1, "w1")
+    assert len(s.take_requests(0.0)) == 2  # v1's requests start: the switch is at this boundary
+    assert s.switch_at_boundary(0.0) == (1, "w1")  # ... and the engine's load fails
+    assert s.fail_all() == ["h"]  # the rollout hands the batch back
+    s.switch_failed((1, "w1"), engine_version=0)
+    assert (s.version, s.pending, s.known_version) == (0, (1, "w1"), 1)
+    assert not s.offer_weights(1, "w1")  # no second download: it is still here
+    s.on_task("t0", 2, 1, "h2")  # the task comes back
+    assert s.switch_between_batches(1.0) == (1, "w1")  # the retry
+    assert (s.version, s.pending) == (1, None)
+    assert [r.key for r in s.take_requests(1.0)] == ["t0/0", "t0/1"]
+
+
+def test_a_failed_switch_between_batches_starts_nothing_on_the_old_weights() -> None:
+    s: Scheduler[str, str] = Scheduler(DRAIN)
+    s.on_task("t0", 1, 0, "a")
+    s.on_task("t1", 1, 1, "b")
+    s.offer_weights(1, "w1")
+    assert s.switch_between_batches(0.0) == (1, "w1")  # the engine's load fails
+    s.switch_failed((1, "w1"), engine_version=0)
+    assert s.take_requests(0.0) == []  # drain mode, v1 pending again: nothing starts
+    assert s.needed_version() is None  # v1 is here: no fetch
+    assert s.switch_between_batches(2.0) == (1, "w1")  # the retry, when the caller's pause ends
+    assert s.take_requests(2.0) == [Request("t0", 0, 0), Request("t1", 0, 1)]
+
+
+def test_a_failed_switch_yields_to_a_newer_update() -> None:
+    s: Scheduler[str, str] = Scheduler(INTERRUPTIBLE, version=3)
+    s.offer_weights(4, "w4")
+    assert s.switch_at_boundary(0.0) == (4, "w4")
+    assert s.offer_weights(5, "w5")  # fetched while v4 was loading
+    s.switch_failed((4, "w4"), engine_version=3)
+    assert (s.version, s.pending) == (3, (5, "w5"))  # v4 is not loaded again: v5 is newer
+    s.on_task("t0", 1, 4, "a")
+    assert s.take_requests(1.0) == [Request("t0", 0, 4)]  # with v5 switched to at this boundary
+    assert s.switch_at_boundary(1.0) == (5, "w5")
+
+
+def test_a_switch_that_failed_after_the_engine_took_the_weights_is_not_retried() -> None:
+    # e.g. vLLM reloaded and relabelled, then failed to resume: the engine holds v1
+    s: Scheduler[str, str] = Scheduler(INTERRUPTIBLE)
+    s.offer_weights(1, "w1")
+    assert s.switch_at_boundary(0.0) == (1, "w1")
+    s.switch_failed((1, "w1"), engine_version=1)
+    assert (s.version, s.pending) == (1, None)
+
+
 NEEDED_FIRST = SchedulerPolicy(interruptible=True, needed_first=True, max_staleness=1)
 
 
