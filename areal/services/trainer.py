@@ -326,15 +326,16 @@ class TrainerService:
             # weights newer than the checkpoint were announced (a crash between publishing and
             # the next checkpoint): roll forward past them so versions stay monotonic. Only a
             # trusted announcement counts: `latest_weights` skips any the trainer did not sign.
-            # The steps behind the skipped versions are redone under new ones, and admission
-            # counts steps (`TrainerState.published_steps`): `versions_skipped` keeps
-            # `version - versions_skipped == step` (with or without a checkpoint)
+            # The steps behind the skipped versions are redone under new ones
             log.warning(
                 "version_rollforward", checkpoint=self.engine.version, announced=latest.version
             )
-            self.intake.state.versions_skipped += latest.version + 1 - self.engine.version
             self.engine.version = latest.version + 1
         self.intake.state.version = self.engine.version
+        # admission counts steps (`TrainerState.published_steps`): every version beyond the
+        # steps was skipped by a rollforward, this one or an earlier one (with or without a
+        # checkpoint; also for a checkpoint written before the field existed)
+        self.intake.state.versions_skipped = self.engine.version - self.intake.state.step
         # only `_finish` of this incarnation makes the run done: the first publish of the run
         # state (after the weights, if they go out now) resets the `done` a previous
         # incarnation left in KV, which is what lets `--resume` extend a run

@@ -123,3 +123,27 @@ async def test_a_rollforward_without_a_checkpoint_skips_every_version_announced(
     assert (st.version, st.versions_skipped, st.step, st.published_steps) == (2, 2, 0, 0)
     adm = Admission(AdmissionPolicy(batch_size=1, max_staleness=1, total_steps=100))
     assert list(adm.admissible(st)) == [0, 1]  # (0 + 1 + 1) * 1
+
+
+async def test_a_checkpoint_from_before_versions_skipped_is_read_right(buses, model_dir, tmp_path):
+    """A checkpoint written before `versions_skipped` existed, by a run that had rolled its
+    version forward already, names version 3 at step 1 and no skipped versions: the restore
+    counts the 2 versions beyond the steps as skipped, so admission counts steps from then on."""
+    trainer_bus, _ = buses
+    first = make_trainer(trainer_bus, model_dir, tmp_path)
+    await first.restore()  # v0
+    first.engine.version = 2  # as after an earlier rollforward (v1 skipped, then v2 announced)
+    await publish(first)
+    first.intake.state.versions_skipped = 0  # what the old code kept
+    next_step(first)  # step 1 on v3
+    await publish(first)
+    await first.checkpoints.save(first.intake, background=False)
+    path = first.checkpoints.dir / "trainer_state.json"
+    saved = json.loads(path.read_text())
+    del saved["trainer"]["versions_skipped"]  # the old file format
+    path.write_text(json.dumps(saved))
+
+    second = make_trainer(trainer_bus, model_dir, tmp_path)
+    await second.restore()
+    st = await run_state(trainer_bus)
+    assert (st.version, st.versions_skipped, st.step, st.published_steps) == (3, 2, 1, 1)
