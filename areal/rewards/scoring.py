@@ -110,6 +110,15 @@ class _Alarm:
             signal.setitimer(signal.ITIMER_REAL, left_s, prev_interval_s)
 
 
+def describe_error(e: BaseException) -> str:
+    """`Type: message`, even for an exception whose message cannot be formatted (its
+    `__str__` raising would fail the whole batch instead of this one item)."""
+    try:
+        return f"{type(e).__name__}: {e}"
+    except Exception:  # noqa: BLE001 - any failure of the user's __str__
+        return f"{type(e).__name__}: <its message could not be formatted>"
+
+
 def _call_scorer(
     fn: RewardFn, completion: str, answer: str, timeout_s: float, alarm: _Alarm | _NoAlarm
 ) -> Scored:
@@ -122,8 +131,11 @@ def _call_scorer(
         try:
             alarm.arm(timeout_s)
             reward, error = float(fn(completion, answer)), None
-        except Exception as e:  # the user's scorer failed: reward 0, reason kept
-            reward, error = 0.0, f"{type(e).__name__}: {e}"
+        # the user's scorer failed: reward 0, reason kept. `SystemExit` too (a scorer built on
+        # argparse or click exits on input it does not like): raised on, it would end the
+        # reward worker, and every replica the group is redelivered to
+        except (Exception, SystemExit) as e:
+            reward, error = 0.0, describe_error(e)
         finally:
             timed_out = alarm.disarm()
     except ItemTimeout:

@@ -7,8 +7,11 @@ Invariants:
 - Backstop: a call still unanswered after `len(items) * timeout_s + slack_s` is hung somewhere
   the alarm cannot reach (C code, a blocked signal). Its pool is killed and rebuilt
   (`n_resets` += 1) and the batch is re-scored one sample per call, so only the culprit scores 0.
-  The same holds for a call whose process died (a scorer that crashed it); a sample alone is
-  blamed for a crash only if it crashes twice (another call's scorer may have caused the first).
+  The same holds for a call whose process died (a scorer that crashed it). A dead process
+  breaks every call of its pool, so a sample whose call a crash broke may be innocent (with
+  `workers` > 1, another call's scorer may have crashed it): it is scored once more in
+  quarantine, a pool of one process that runs one call at a time, where a crash (or a hang)
+  can only be its own. Only there is a crash blamed on a sample.
 - A call broken because another call already replaced the pool is not anyone's fault: it is
   retried on the new pool, never blamed on its samples.
 - `score` returns one outcome per item, in order; it raises only for what is not a scorer's
@@ -56,13 +59,15 @@ class ScoringPool:
         self.timeout_s, self.slack_s = timeout_s, slack_s
         self.n_calls = 0  # pool calls made
         self.n_resets = 0  # pools killed and rebuilt (backstop deadlines, dead processes)
-        self._executor = self._new_executor()
+        self._executor = self._new_executor(workers)
         self._closed = False
+        self._quarantine: cf.ProcessPoolExecutor | None = None  # made at its first use
+        self._quarantine_lock = asyncio.Lock()
 
-    def _new_executor(self) -> cf.ProcessPoolExecutor:
+    def _new_executor(self, workers: int) -> cf.ProcessPoolExecutor:
         # The scoring processes die with this worker, SIGKILL included (no orphaned pools).
         return cf.ProcessPoolExecutor(
-            self.workers,
+            workers,
             mp_context=mp.get_context("spawn"),
             initializer=die_with_parent,
             initargs=(signal.SIGKILL, os.getpid()),
@@ -78,16 +83,42 @@ class ScoringPool:
         return [await self._score_alone(item) for item in items]
 
     async def _score_alone(self, item: Item) -> Scored:
-        # A dead process breaks every call of its pool, and the first call to see it may be an
-        # innocent one: a crash is blamed on a sample only when it happens twice with it alone.
-        for _ in range(2):
+        try:
+            return (await self._call_retrying([item]))[0]
+        except _Failed as e:
+            if not e.crashed:
+                return (0.0, e.error, e.seconds)
+        # a crash broke its call, maybe another call's: only a crash in quarantine is its own
+        return await self._score_quarantined(item)
+
+    async def _score_quarantined(self, item: Item) -> Scored:
+        """`item` on the quarantine pool, one call at a time: its crash or hang is its own."""
+        async with self._quarantine_lock:
+            if self._closed:
+                raise RuntimeError("the scoring pool is closed")
+            if self._quarantine is None:
+                self._quarantine = self._new_executor(1)
+            self.n_calls += 1
+            loop = asyncio.get_running_loop()
+            fut = loop.run_in_executor(
+                self._quarantine, score_items, self.fn_name, [item], self.timeout_s
+            )
             try:
-                return (await self._call_retrying([item]))[0]
-            except _Failed as e:
-                failure = e
-                if not e.crashed:
-                    break
-        return (0.0, failure.error, failure.seconds)
+                return (await asyncio.wait_for(fut, self.timeout_s + self.slack_s))[0]
+            except asyncio.TimeoutError:
+                self._reset_quarantine()
+                return (0.0, timeout_error(self.timeout_s), self.timeout_s)
+            except BrokenProcessPool as e:
+                if self._closed:
+                    raise RuntimeError("the scoring pool was closed during the call") from e
+                self._reset_quarantine()
+                return (0.0, f"scoring failed: {type(e).__name__}: {e}", 0.0)
+
+    def _reset_quarantine(self) -> None:
+        if self._quarantine is not None:
+            _kill(self._quarantine)
+            self._quarantine = None
+            self.n_resets += 1
 
     async def _call_retrying(self, items: list[Item]) -> list[Scored]:
         """`_call`, again on the new pool while other calls' resets break this one."""
@@ -124,7 +155,7 @@ class ScoringPool:
         """Kill `executor`'s processes and replace it, unless another call already did."""
         if executor is not self._executor or self._closed:
             return
-        self._executor = self._new_executor()
+        self._executor = self._new_executor(self.workers)
         self.n_resets += 1
         _kill(executor)
 
@@ -132,6 +163,8 @@ class ScoringPool:
         """Kill the scoring processes (calls in flight raise RuntimeError); idempotent."""
         self._closed = True
         _kill(self._executor)
+        if self._quarantine is not None:
+            _kill(self._quarantine)
 
 
 def _kill(executor: cf.ProcessPoolExecutor) -> None:

@@ -61,3 +61,30 @@ def unstoppable(completion: str, answer: str) -> float:
     if completion == "hang":
         time.sleep(60)
     return float(completion.strip() == answer.strip())
+
+
+def exits(completion: str, answer: str) -> float:
+    """Exits on 'exit', as a scorer built on argparse or click does on input it rejects."""
+    if completion == "exit":
+        raise SystemExit(2)
+    return float(completion.strip() == answer.strip())
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
+def unprintable(completion: str, answer: str) -> float:
+    """Raises, on 'bad', an exception whose message cannot be formatted."""
+    if completion == "bad":
+        raise _Unprintable()
+    return float(completion.strip() == answer.strip())
+
+
+def slow_or_crash(completion: str, answer: str) -> float:
+    """Kills its process on 'crash' (a segfaulting C extension, an OOM kill); else 1 s of work."""
+    if completion == "crash":
+        os._exit(139)
+    time.sleep(1.0)
+    return float(completion.strip() == answer.strip())
