@@ -10,9 +10,10 @@ Invariants (see the core for the rule itself):
   tell a task the controller meant to admit from one it never did, without a race;
 - the trainer's KV record (version, returned slots) is the ground truth for admission: the
   controller never sees a version whose weights are not announced;
-- a trainer record is believed only if it could have come from the trainer (`_plausible`): it
-  decodes, its version never goes back and was announced, its returned slots never go back and
-  never exceed the tasks admitted, and `done` comes with `total_steps` reached. Anything else is
+- a trainer record is believed only if it could have come from the trainer (`_implausible`):
+  it decodes, its version never goes back and was announced, its returned slots never go back
+  and never exceed the tasks admitted (or, after a restart, about to be: `admitting`), and
+  `done` comes with `total_steps` reached. Anything else is
   refused (logged once per reason; the last good record stays), so a write to the run-state
   bucket by someone else can neither stop, crash nor over-admit the run.
 """
@@ -122,8 +123,11 @@ class Controller:
             return f"version went back from {old.version} to {new.version}"
         if new.returned < old.returned:
             return f"returned slots went back from {old.returned} to {new.returned}"
-        if new.returned > self.admission.state.admitted:
-            return f"{new.returned} returned slots for {self.admission.state.admitted} admitted"
+        # tasks the trainer can have seen: those admitted, and after a restart also those the
+        # last incarnation began to publish (`admitting`) but had not counted when it died
+        seen = max(self.admission.state.admitted, self.admission.state.admitting)
+        if new.returned > seen:
+            return f"{new.returned} returned slots for {seen} admitted"
         if new.done and new.step < p.total_steps:
             return f"done at step {new.step} of {p.total_steps}"
         if new.version > old.version:

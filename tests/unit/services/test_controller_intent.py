@@ -112,3 +112,46 @@ def test_a_version_the_watch_did_not_report_reopens_it():
     asyncio.run(asyncio.wait_for(ctrl.run(stop), 30))
     assert ctrl.trainer.version == 1
     assert watch.reopens == 1  # once: for the one unreported version, not for unchanged reads
+
+
+class RestartBus(Bus):
+    """The KV of a controller that died after publishing its intent's tasks, before it counted
+    them (`admitted`), and a trainer that has since returned their slots."""
+
+    def __init__(self, saved: ControllerState, trainer: TrainerState) -> None:
+        super().__init__()
+        self.saved, self.trainer_rec = saved, trainer
+        self.latest = SimpleNamespace(version=0)
+
+    async def kv_get(self, key, model):
+        return self.saved if model is ControllerState else self.trainer_rec
+
+    async def kv_put(self, key, value) -> None:
+        await super().kv_put(key, value)
+        if isinstance(value, ControllerState):
+            self.saved = value.model_copy()
+
+    async def kv_watch(self, key):
+        return SilentWatch()
+
+
+def test_a_restarted_controller_believes_slots_returned_for_its_last_intent():
+    """B = 2, η = 0: tasks 0 and 1 were filtered; the controller recorded the intent to admit 2
+    and 3, published them and died before recording `admitted = 4`; the trainer filtered 2 and 3
+    as well (returned 4). The restarted controller must believe that record (4 returned of 4
+    it meant to admit): refusing it, it admitted nothing more, ever, and the run hung."""
+    bus = RestartBus(ControllerState(admitted=2, admitting=4), TrainerState(filtered=4))
+    ctrl = controller(bus)
+    stop = asyncio.Event()
+
+    async def main() -> None:
+        task = asyncio.create_task(ctrl.run(stop))
+        await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.wait_for(task, 60)  # hang guard
+
+    asyncio.run(main())
+    assert ctrl.trainer.returned == 4 and not ctrl._refusals
+    published = [m.seq for k, m in bus.log if k == "publish" and isinstance(m, Task)]
+    assert published[:2] == [2, 3]  # the intent again (the server drops the copies)
+    assert 4 in published and 5 in published  # and the run goes on
