@@ -270,7 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    r = sub.add_parser("run", help="run a whole training job locally (embedded NATS by default)")
+    r = sub.add_parser(
+        "run",
+        help="run a whole training job locally (embedded NATS by default)",
+        epilog="exit codes: 0 the trainer reached train.total_steps; 2 a config error (nothing "
+        "restarted); 130 Ctrl-C, 143 SIGTERM (workers stopped, then the server; --resume "
+        "continues); 1 the trainer was stopped alone before total_steps, or the run failed; "
+        "else a worker's code after --max-restarts",
+    )
     r.add_argument("config", nargs="?", help="YAML run config (e.g. examples/arithmetic.yaml)")
     r.add_argument("--replicas", type=_parse_replicas, help="e.g. rollout=2,reward=1")
     r.add_argument("--nats-url", help="use this NATS server instead of an embedded one")

@@ -6,7 +6,9 @@ server listens on loopback unless given another `host` (`nats.listen_host`); wit
 accounts get in, without one anyone who reaches that address can read and write every run on
 it; its config file is rewritten identically on a restart (same port, store and accounts); it
 is stopped by its own PID (never by name); it dies with the process that started it
-(PR_SET_PDEATHSIG on Linux), so it never outlives the launcher.
+(PR_SET_PDEATHSIG on Linux), so it never outlives the launcher; it runs in a session of its own,
+so a terminal's Ctrl-C (SIGINT to the foreground process group) cannot stop it before the
+workers that still need it: its owner stops it last.
 
 `EmbeddedCluster`: three such servers routed into one JetStream cluster on loopback (for
 `nats.replicas` trials and tests; `python -m areal.bus.embedded --cluster 3`).
@@ -163,7 +165,8 @@ class EmbeddedNats:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=child_setup(self.cpus),
+            preexec_fn=child_setup(self.cpus),  # PR_SET_PDEATHSIG: set after the setsid
+            start_new_session=True,  # out of the launcher's process group (see above)
         )
         log.close()
         deadline = time.monotonic() + timeout_s

@@ -3,11 +3,17 @@
 Checks everything that can be checked (the config, extras, reward spec, dataset, model dir, the
 state of `--out`), starts an embedded nats-server (unless a URL is configured), the controller,
 the trainer and N rollout / M reward worker processes, shows a progress bar fed by the trainer's
-step metrics, and stops everything on completion, on a worker crash, or on Ctrl-C.
+step metrics, and stops everything on completion, on a worker crash, on Ctrl-C or on SIGTERM.
 
 Invariants:
 - no child process outlives the launcher (they are signalled on exit and die with it via
   PR_SET_PDEATHSIG);
+- a stop (Ctrl-C, SIGTERM, the end of the run) stops the workers first and the embedded
+  nats-server last, so their stop paths (the trainer's checkpoint) still reach it; the server
+  runs in its own session, out of reach of a terminal's Ctrl-C;
+- exit codes: 0 only when this run's trainer reached `train.total_steps` (`trainer_finished`);
+  130 after Ctrl-C, 143 after SIGTERM; 2 for a config error; 1 when the trainer exited 0
+  before `total_steps` (stopped by a signal from elsewhere); else the failed worker's code;
 - nothing is started and nothing in `--out` is touched before every check passed (`check`); a
   new run never deletes data implicitly (`areal.launch.run_dir`);
 - a worker that exits with `EXIT_CONFIG` (a deterministic failure) is not restarted: the run
@@ -72,6 +78,10 @@ CAUSE_LINES, CAUSE_CHARS = 200, 300  # where the restart warning looks for the c
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Lost|Held)\b")
 MAX_OUTAGE_RESTARTS = 20  # restarts after outages (not counted in max_restarts), per worker
 TRAINER = "trainer-0"  # the trainer's worker id (rank 0 of its group when train.nproc > 1)
+# the launcher's exit codes besides 0 (the run finished), EXIT_CONFIG (2) and a failed worker's
+EXIT_NOT_FINISHED = 1  # the trainer exited 0 before train.total_steps: stopped from outside
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: Ctrl-C stopped the run
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: SIGTERM stopped the run
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -84,6 +94,17 @@ def _honour_sigint() -> None:
         threading.current_thread() is threading.main_thread()
     ):
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def trainer_finished(out: Path, total_steps: int) -> bool:
+    """Whether the trainer finished the run: its `summary.json`, which it writes only on
+    reaching `train.total_steps`, says so. A trainer that exits 0 without it was stopped (a
+    SIGTERM or SIGINT sent to it alone), and an older summary (`--resume` to more steps) counts
+    fewer steps."""
+    try:
+        return int(json.loads((out / "summary.json").read_text())["steps"]) >= total_steps
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _terminate(procs: list[subprocess.Popen], timeout_s: float) -> None:
@@ -111,7 +132,8 @@ def on_worker_exit(
 ) -> Supervision:
     """What the launcher does when worker `wid` has exited with `returncode`.
 
-    The trainer exiting 0 finishes the run; another role exiting 0 is done (the run finished);
+    The trainer exiting 0 finishes the run (the caller checks that it reached total_steps:
+    `trainer_finished`); another role exiting 0 is done (the run finished);
     `EXIT_CONFIG` is deterministic and never restarted; `EXIT_BUS_UNAVAILABLE` (the server was
     away, not the worker's fault) is restarted without spending the budget, up to
     `MAX_OUTAGE_RESTARTS`; any other exit is restarted until `max_restarts`, then the run gives
@@ -151,6 +173,8 @@ class Launcher:
         self._env: dict[str, str] = {}
         self.server: EmbeddedNats | None = None
         self._home_cpus: frozenset[int] | None = None  # cpu_affinity set: the launcher's cores
+        self.stop_signal: int | None = None  # the SIGTERM that stopped the run, if one did
+        self._stopping = False  # stop_all is due: a SIGTERM then changes nothing
 
     def check(self) -> run_dir.ResumePoint | None:
         """Every check before anything starts; raises `ConfigError`. Returns the resume point
@@ -357,7 +381,8 @@ class Launcher:
         for wid, p in sorted(self.procs.items(), key=lambda kv: kv[0] != TRAINER):
             if wid in self.followers:
                 continue  # judged with their group, as trainer-0
-            returncode = self._trainer_group_exit() if wid == TRAINER else p.poll()
+            # `src`: whose log tells why (the failed rank of a trainer group)
+            src, returncode = self._trainer_group_exit() if wid == TRAINER else (wid, p.poll())
             if returncode is None:
                 continue
             if time.monotonic() - self.started_at.get(wid, 0.0) >= HEALTHY_S:
@@ -369,18 +394,29 @@ class Launcher:
                 wid, returncode, restarts, self.max_restarts, outage_restarts=outages
             )
             if action == "finished":
-                return 0
+                if trainer_finished(self.out, self.s.train.total_steps):
+                    return 0
+                step = None
+                with contextlib.suppress(ConfigError):
+                    step = run_dir.resume_point(self.out).step
+                print(
+                    f"worker {TRAINER} was stopped (a signal not from `areal run`) before "
+                    f"train.total_steps={self.s.train.total_steps} (checkpoint at step {step}): "
+                    "the run did not finish; --resume continues it",
+                    file=sys.stderr,
+                )
+                return EXIT_NOT_FINISHED
             if action == "config_error":
                 print(
-                    f"worker {wid} failed with a configuration error (not restarted): "
-                    f"{self._last_line(wid)}",
+                    f"worker {src} failed with a configuration error (not restarted): "
+                    f"{self._last_line(src)}",
                     file=sys.stderr,
                 )
                 return EXIT_CONFIG
             if action == "give_up":
                 print(
-                    f"worker {wid} exited with {returncode} after {restarts} restarts; "
-                    f"last log lines:\n{self._log_tail(wid)}",
+                    f"worker {src} exited with {returncode} after {restarts} restarts; "
+                    f"last log lines:\n{self._log_tail(src)}",
                     file=sys.stderr,
                 )
                 return returncode or 1
@@ -397,30 +433,42 @@ class Launcher:
                     worker=wid,
                     exit_code=returncode,
                     restarts=restarts + 1,
-                    cause=self._cause(wid),
+                    cause=self._cause(src),
                 )
                 self._start(wid)
         return None
 
-    def _trainer_group_exit(self) -> int | None:
+    def _trainer_group_exit(self) -> tuple[str, int | None]:
         """The trainer's exit code, for a group of ranks the group's: rank 0's once it exited,
-        or a follower's failure while rank 0 still runs. A group that failed is stopped whole
-        (its restart is the trainer's: `_start`); followers exiting 0 end with rank 0."""
+        or a follower's failure while rank 0 still runs; with the rank it comes from. A group
+        that failed is stopped whole (its restart is the trainer's: `_start`); followers
+        exiting 0 end with rank 0."""
         lead = self.procs[TRAINER].poll()
         if not self.followers or lead == 0:
-            return lead
-        failed = lead
+            return TRAINER, lead
+        rank, failed = TRAINER, lead
         if failed is None:
             codes = [(f, self.procs[f].poll()) for f in self.followers]
             bad = [(f, c) for f, c in codes if c not in (None, 0)]
             if not bad:
-                return None
-            log.warning("trainer_rank_failed", worker=bad[0][0], exit_code=bad[0][1])
-            failed = bad[0][1]
+                return TRAINER, None
+            rank, failed = bad[0]
+            log.warning("trainer_rank_failed", worker=rank, exit_code=failed)
         t0 = time.monotonic()
         _terminate([self.procs[w] for w in (TRAINER, *self.followers)], 15.0)
         log.warning("trainer_group_stopped", exit_code=failed, stop_s=time.monotonic() - t0)
-        return failed
+        return rank, failed
+
+    def _on_sigterm(self, signum: int, _frame: object) -> None:
+        """SIGTERM (a job scheduler, systemd, `timeout`) stops the run as Ctrl-C does, so
+        `stop_all` stops the workers, then the server. Its default action killed the launcher
+        at once: every child then got its die-with-parent signal together, the server too, and
+        a trainer mid-write retried against the dead server for minutes, orphaned. Once the
+        stop is under way another SIGTERM changes nothing (`stop_all` is bounded)."""
+        if not self._stopping:
+            self._stopping = True
+            self.stop_signal = signum
+            raise KeyboardInterrupt
 
     async def _watch(self) -> int:
         from areal.bus.client import Bus
@@ -470,6 +518,10 @@ class Launcher:
             self._home_cpus = frozenset(os.sched_getaffinity(0))
             if (cpus := self.s.cpus_of("launcher")) is not None:
                 os.sched_setaffinity(0, cpus)  # before any thread starts: they inherit it
+        # only the main thread may set a handler; elsewhere the caller owns signals
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
             cfg = self.prepare()
             self.spawn(cfg)
@@ -480,16 +532,21 @@ class Launcher:
         except KeysError as e:  # the run's keys dir is incomplete or unreadable
             print(e, file=sys.stderr)
             rc = EXIT_CONFIG
-        except KeyboardInterrupt:
-            print("\ninterrupted: stopping all workers", file=sys.stderr)
-            rc = 130
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`_on_sigterm`)
+            self._stopping = True
+            how = "terminated" if self.stop_signal == signal.SIGTERM else "interrupted"
+            print(f"\n{how}: stopping all workers", file=sys.stderr)
+            rc = EXIT_TERMINATED if self.stop_signal == signal.SIGTERM else EXIT_INTERRUPTED
         finally:
-            self.stop_all()
+            self._stopping = True
+            self.stop_all()  # the workers first, the embedded server last
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         summary_path = self.out / "summary.json"
         if rc == 0 and summary_path.exists():
             summary = json.loads(summary_path.read_text())
             print(json.dumps(summary, indent=1))
             print(f"run finished in {time.time() - t0:.1f}s; artifacts in {self.out}/")
-        elif rc != 0 and rc != 130:
+        elif rc not in (0, EXIT_INTERRUPTED, EXIT_TERMINATED):
             print(f"run failed (exit {rc}); logs in {self.out}/logs/", file=sys.stderr)
         return rc

@@ -1,6 +1,8 @@
 """The launcher as a new user meets it (issue 16): `--out` is never destroyed implicitly,
 `--resume` extends a run and knows a finished one, everything checkable fails before workers
-start (exit 2, one line with the fix), and a deterministic worker failure is not retried.
+start (exit 2, one line with the fix), a deterministic worker failure is not retried, and a
+stop (SIGTERM, Ctrl-C, a trainer stopped alone) stops the workers before the server and never
+reads as a finished run.
 
 Most cases here never start a worker: they check that the launcher refuses, at once, and that
 the files already in `--out` are byte for byte what they were.
@@ -12,8 +14,10 @@ import importlib.util
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -233,3 +237,109 @@ def test_cpu_affinity_puts_each_process_on_its_cores(tmp_path):
         }, wid
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2
+
+
+def start_run(out: Path, *, new_session: bool = False) -> subprocess.Popen:
+    """A run far from its end (it is stopped mid-run), its output in files under `out`'s
+    parent; `new_session`: in a process group of its own, as a terminal's foreground job."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    args = [*AREAL, *run_args(out, *SMALL, "train.total_steps=100000")]
+    with open(out.with_name("stdout"), "wb") as so, open(out.with_name("stderr"), "wb") as se:
+        return subprocess.Popen(
+            args, cwd=ROOT, stdout=so, stderr=se, env=env, start_new_session=new_session
+        )
+
+
+def wait_for_steps(out: Path, launcher: subprocess.Popen, steps: int = 2) -> None:
+    """Until the trainer has logged `steps` training steps (a 600 s hang guard)."""
+    log = out / "logs" / "trainer-0.log"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and launcher.poll() is None:
+        if log.exists() and log.read_text(errors="replace").count("train_step") >= steps:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"the run did not train {steps} steps: {stderr_of(out)[-3000:]}")
+
+
+def stderr_of(out: Path) -> str:
+    return out.with_name("stderr").read_text(errors="replace")
+
+
+def processes_of(out: Path) -> list[str]:
+    """The live processes of the run in `out`: its workers (`--config <out>/config.json`) and
+    its embedded nats-server (`-c <out>/nats/nats-server.conf`)."""
+    marks = (f"--config {out}/config.json", f"-c {out}/nats/nats-server.conf")
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:  # not a process, or gone meanwhile
+            continue
+        if any(m in args for m in marks):
+            found.append(f"{proc.name} {args}")
+    return found
+
+
+def stopped_cleanly(out: Path, launcher: subprocess.Popen) -> int:
+    """Wait for the launcher (a 120 s hang guard: its stop takes at most 15 s for the workers
+    and 10 s for the server); nothing of the run may be left. Returns its exit code."""
+    try:
+        rc = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    left = processes_of(out)
+    for line in left:  # clean up before failing: a stray trainer retries for 300 s
+        os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert not left, f"outlived the launcher: {left}"
+    return rc
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_workers_then_the_server(tmp_path):
+    """SIGTERM (a job scheduler, systemd, `timeout`) stops the run as Ctrl-C does. Once it
+    killed the launcher at once: every child then got its die-with-parent signal together, the
+    server included, and a trainer mid-write retried against the dead server for 300 s."""
+    out = tmp_path / "out"
+    launcher = start_run(out)
+    wait_for_steps(out, launcher)
+    launcher.send_signal(signal.SIGTERM)
+    assert stopped_cleanly(out, launcher) == 143, stderr_of(out)[-3000:]
+    assert "terminated: stopping all workers" in stderr_of(out)
+    # stopped, not SIGKILLed after 15 s: the server was there until the workers were gone
+    assert "worker_stopped" in (out / "logs" / "trainer-0.log").read_text()
+
+
+@pytest.mark.slow
+def test_ctrl_c_reaches_the_workers_but_not_the_server(tmp_path):
+    """A terminal's Ctrl-C signals its whole foreground process group. The embedded server
+    runs in a session of its own: it is stopped by the launcher after the workers stopped, so
+    the trainer's stop path (its checkpoint) still reaches it."""
+    out = tmp_path / "out"
+    launcher = start_run(out, new_session=True)
+    wait_for_steps(out, launcher)
+    os.killpg(launcher.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    assert stopped_cleanly(out, launcher) == 130, stderr_of(out)[-3000:]
+    assert "interrupted: stopping all workers" in stderr_of(out)
+    assert "worker_stopped" in (out / "logs" / "trainer-0.log").read_text()
+    server_log = (out / "nats" / "nats-server.log").read_text(errors="replace")
+    assert "interrupt" not in server_log.lower(), server_log[-2000:]  # SIGINT never reached it
+
+
+@pytest.mark.slow
+def test_a_trainer_stopped_alone_mid_run_is_not_a_finished_run(tmp_path):
+    """A trainer stopped by a signal (not the launcher's) exits 0, as on any stop; the run
+    then ends without its summary, so `areal run` says so and exits 1, not 0."""
+    out = tmp_path / "out"
+    launcher = start_run(out)
+    wait_for_steps(out, launcher)
+    [trainer] = [
+        ln for ln in processes_of(out) if "workers.trainer" in ln and "--worker-id trainer-0" in ln
+    ]
+    os.kill(int(trainer.split()[0]), signal.SIGTERM)
+    assert stopped_cleanly(out, launcher) == 1, stderr_of(out)[-3000:]
+    err = stderr_of(out)
+    assert "worker trainer-0 was stopped" in err and "--resume continues it" in err, err[-3000:]
+    assert "run finished" not in out.with_name("stdout").read_text()
+    assert not (out / "summary.json").exists()

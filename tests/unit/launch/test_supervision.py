@@ -1,13 +1,15 @@
 """The launcher's decision when a worker exits (`on_worker_exit`): deterministic failures are
-never restarted, crashes are restarted a bounded number of times."""
+never restarted, crashes are restarted a bounded number of times, and a trainer that exits 0
+finishes the run only when it reached train.total_steps."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 
-from areal.launch.local import MAX_OUTAGE_RESTARTS, on_worker_exit
+from areal.launch.local import EXIT_NOT_FINISHED, MAX_OUTAGE_RESTARTS, on_worker_exit
 from areal.launch.worker import EXIT_BUS_UNAVAILABLE, EXIT_CONFIG
 
 
@@ -133,3 +135,43 @@ def test_a_restart_warning_names_the_cause_from_the_workers_log(
     [warning] = [kw for e, kw in warnings if e == "worker_restarted"]
     assert warning["worker"] == "controller-0" and warning["exit_code"] == 1
     assert warning["cause"].startswith(cause)
+
+
+@pytest.mark.parametrize(
+    ("summary", "rc"),
+    [
+        (None, EXIT_NOT_FINISHED),  # stopped before it wrote one
+        ({"steps": 3}, EXIT_NOT_FINISHED),  # an older run's (--resume to more steps)
+        ({"steps": 5}, 0),  # written on reaching train.total_steps
+        ("not json", EXIT_NOT_FINISHED),
+    ],
+    ids=["no-summary", "older-summary", "finished", "unreadable"],
+)
+def test_a_trainer_exiting_0_finishes_the_run_only_at_total_steps(tmp_path, capsys, summary, rc):
+    from areal.config import load_settings
+    from areal.launch.local import Launcher
+
+    launcher = Launcher(load_settings(None, [f"out_dir={tmp_path}", "train.total_steps=5"]))
+    if summary is not None:
+        text = summary if isinstance(summary, str) else json.dumps(summary)
+        (tmp_path / "summary.json").write_text(text)
+    launcher.procs["trainer-0"] = _Exited(0)
+    assert launcher._supervise() == rc
+    if rc:
+        err = capsys.readouterr().err
+        assert "worker trainer-0 was stopped" in err and "--resume continues it" in err
+
+
+def test_sigterm_stops_the_run_once(tmp_path):
+    """A SIGTERM raises KeyboardInterrupt (the stop path Ctrl-C takes) and is remembered for
+    the exit code; one during the stop changes nothing."""
+    import signal
+
+    from areal.config import load_settings
+    from areal.launch.local import Launcher
+
+    launcher = Launcher(load_settings(None, [f"out_dir={tmp_path}"]))
+    with pytest.raises(KeyboardInterrupt):
+        launcher._on_sigterm(signal.SIGTERM, None)
+    assert launcher.stop_signal == signal.SIGTERM
+    launcher._on_sigterm(signal.SIGTERM, None)  # stopping already: no second interrupt

@@ -3,6 +3,7 @@ processes (`sleep`) stand in for the ranks, so stopping the group is the real si
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 
@@ -10,6 +11,7 @@ import pytest
 
 from areal.config import ConfigError, load_settings
 from areal.launch.local import TRAINER, Launcher
+from areal.launch.worker import EXIT_CONFIG
 
 
 def _launcher(tmp_path, monkeypatch) -> tuple[Launcher, list[str]]:
@@ -58,8 +60,20 @@ def test_a_follower_that_exits_0_waits_for_rank0(tmp_path, monkeypatch):
 
 def test_rank0_exiting_0_finishes_the_run(tmp_path, monkeypatch):
     launcher, started = _launcher(tmp_path, monkeypatch)
+    steps = launcher.s.train.total_steps
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": steps}))  # what it writes last
     launcher.procs = {TRAINER: _rank(0), f"{TRAINER}.rank1": _rank(0)}
     assert launcher._supervise() == 0 and started == []
+
+
+def test_a_failed_follower_is_reported_from_its_own_log(tmp_path, monkeypatch, capsys):
+    launcher, started = _launcher(tmp_path, monkeypatch)
+    (tmp_path / "logs" / f"{TRAINER}.rank1.log").write_text("config error: rank 1's reason\n")
+    launcher.procs = {TRAINER: _rank(None), f"{TRAINER}.rank1": _rank(EXIT_CONFIG)}
+    assert launcher._supervise() == EXIT_CONFIG and started == []
+    err = capsys.readouterr().err
+    assert f"worker {TRAINER}.rank1 failed with a configuration error" in err
+    assert "rank 1's reason" in err and "a line" not in err  # not trainer-0's log
 
 
 def test_rank0_failing_stops_its_followers_and_restarts_the_group(tmp_path, monkeypatch):
