@@ -533,7 +533,6 @@ class Launcher:
             print(e, file=sys.stderr)
             rc = EXIT_CONFIG
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`_on_sigterm`)
-            self._stopping = True
             how = "terminated" if self.stop_signal == signal.SIGTERM else "interrupted"
             print(f"\n{how}: stopping all workers", file=sys.stderr)
             rc = EXIT_TERMINATED if self.stop_signal == signal.SIGTERM else EXIT_INTERRUPTED

@@ -30,6 +30,7 @@ from areal.engines.torch_train import export_state_dict
 from areal.services.rollout import LOAD_RETRY_S, RolloutService
 from schemas import Sample, SampleGroup, Task
 from schemas import subjects as S
+from tests.factories import make_task
 
 pytestmark = pytest.mark.integration
 N_TOKENS = 40
@@ -102,13 +103,11 @@ def token_logps(model, prompt: list[int], output: list[int]) -> torch.Tensor:
 
 
 def task(run_id: str, i: int, version: int) -> Task:
-    return Task(
+    return make_task(
         task_id=f"{run_id}-t{i}",
         seq=i,
         dataset_index=i,
-        prompt="x",
         prompt_ids=pack(PROMPT, "int32"),
-        answer="",
         group_size=1,
         admitted_version=version,
     )
