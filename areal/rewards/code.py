@@ -6,13 +6,19 @@ Invariants:
   is `preamble + marker line + tests` (the preamble supplies what the code may assume, such as
   the prompt's imports). Only the first marker line splits; without one, all of it is tests.
   `build_program` shows the order they run in: preamble, code, tests.
-- `humaneval_answer(problem)` is such an answer for a HumanEval problem: the preamble is the
-  import lines (`import ...` / `from ...`) at the top of its `prompt` (before the first other
-  non-blank line), the tests are its `test` followed by `check(<entry_point>)`. So a completion
-  that restates the function without the prompt's imports (`List` in an annotation) still runs.
+- `humaneval_answer(problem)` is such an answer for a HumanEval problem: the preamble is its
+  `prompt`'s code before the entry point's `def` (the imports, and the helpers a few prompts
+  define: `poly`, `encode_cyclic`, ...); the tests are that same code again, then its `test`,
+  then `check(<entry_point>)`. So a completion that restates the function without the prompt's
+  imports (`List` in an annotation) still runs, and the tests call their own helpers: a
+  completion that redefines `encode_cyclic` as the identity (with `decode_cyclic` to match)
+  changes nothing they call. Without such a `def` line, the preamble is the prompt's leading
+  import lines.
 - Reward 1.0 iff the sandbox's harness reports that the code and every test ran
   (`areal/rewards/sandbox.py`): the exit status decides nothing, so exiting before the tests,
-  killing the harness or printing a success line scores 0.
+  killing the harness or printing a success line scores 0. The tests compare plain data only
+  (`sandbox_harness`): an object whose `__eq__` always says yes, or a subclass of int, str,
+  list, ... returned by the code or compared by the tests scores 0.
 - `code_reward_detail` never raises for bad, hostile or hanging code: it returns the reward and
   `{"verdict", "reason", "isolation"}`. `code_reward` returns 0.0 for a wrong answer, an
   exception or a timeout, and raises `SandboxViolation` (an Exception, so the scoring API gives
@@ -100,17 +106,30 @@ def build_program(code: str, answer: str) -> str:
 
 
 def humaneval_answer(problem: dict[str, str]) -> str:
-    """The `answer` for a HumanEval problem (`prompt`, `test`, `entry_point`): its prompt's
-    leading imports as the preamble, its `check` called on the entry point as the tests."""
+    """The `answer` for a HumanEval problem (`prompt`, `test`, `entry_point`): its prompt's code
+    before the entry point as the preamble, that code and its `check` called on the entry point
+    as the tests (see the module invariants)."""
+    context = _prompt_context(problem["prompt"], problem["entry_point"])
+    preamble = f"{context}\n" if context else ""
+    tests = f"{problem['test']}\ncheck({problem['entry_point']})\n"
+    if context:
+        tests = f"{context}\n\n\n{tests}"
+    return f"{preamble}{CODE_TESTS_MARKER}\n{tests}"
+
+
+def _prompt_context(prompt: str, entry_point: str) -> str:
+    """The prompt's code before `def <entry_point>(`; without that line, its leading imports."""
+    lines = prompt.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(f"def {entry_point}("):
+            return "\n".join(lines[:i]).strip()
     imports = []
-    for line in problem["prompt"].splitlines():
+    for line in lines:
         if line.startswith(("import ", "from ")):
             imports.append(line)
         elif line.strip():
             break
-    preamble = "".join(f"{line}\n" for line in imports)
-    tests = f"{problem['test']}\ncheck({problem['entry_point']})\n"
-    return f"{preamble}{CODE_TESTS_MARKER}\n{tests}"
+    return "\n".join(imports)
 
 
 def run_code(

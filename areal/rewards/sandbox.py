@@ -37,16 +37,19 @@ Invariants:
   allows: `sandbox_harness`). As root with a Python other users cannot reach (under /root), the
   run keeps root's uid there (warned once), and root ignores RLIMIT_NPROC.
 - Verdicts: `passed`; `failed` (an exception in the solution or the tests, the CPU or memory
-  limit); `timeout`; `violation` (something was refused, SystemExit or another BaseException
-  escaped, or the program ended or died before the harness reported).
+  limit, a value compared or returned to the tests that is not plain data); `timeout`;
+  `violation` (something was refused, SystemExit or another BaseException escaped, or the
+  program ended or died before the harness reported).
 - Not contained (the whole list, for this module and `sandbox_harness`; a Python-level filter is no
   security boundary): a memory-safety bug of CPython reachable from pure Python lets a solution read
   the nonce and forge a pass, and in `hooks` mode get past every filter; so would a C extension that
   opens files itself (refused: `_posixshmem`, `_multiprocessing`, `_ssl`, `_dbm`, `_gdbm`, sqlite
-  extensions). Tests that hand their own functions to the solution expose their globals to it; a
-  function the tests call can still patch a class or a module's internals while the tests run; an
-  object whose `__eq__` always says yes passes `assert f(x) == y`, and raising `unittest.SkipTest`
-  passes `result.wasSuccessful()` (write tests that check the type, and `result.skipped`). In
+  extensions). Tests that hand their own functions to the solution expose their globals to it, and
+  with them the plain-data guard; a function the tests call can still patch a class or a module's
+  internals while the tests run; comparisons made inside library code (unittest's `assertEqual`,
+  `sorted`, `max`) are guarded only for values the solution's functions return, not for objects
+  of a class the solution defines; and raising `unittest.SkipTest` passes `result.wasSuccessful()`
+  (check `result.skipped` too). In
   `hooks` mode the work dir is on the supervisor's disk (capped per file only) and a C that is
   SIGKILLed before its cleanup leaves G's orphans to init.
 """

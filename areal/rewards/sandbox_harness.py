@@ -3,9 +3,10 @@
 The supervisor side (namespaces, subreaper, the process-tree kill, the job it sends, reading the
 verdict) and the invariants it keeps are `areal/rewards/sandbox.py`; its docstring also holds
 the complete list of what the sandbox does not contain. This module holds the code that runs
-inside G: `BOOT` (G's `-c` program), `_harness_exposed` and `_harness`. `harness_code()`, on the
-supervisor's side, compiles the two functions from this file's source (`inspect.getsource`)
-and marshals them: G loads them from its stdin and never imports this module or `areal`.
+inside G: `BOOT` (G's `-c` program), `_harness_exposed`, `_harness_plain` and `_harness`.
+`harness_code()`, on the supervisor's side, compiles the three functions from this file's source
+(`inspect.getsource`) and marshals them: G loads them from its stdin and never imports this
+module or `areal`.
 
 Invariants:
 - The verdict record. G's stdin (the harness, a header with the nonce, the sources) is read
@@ -35,6 +36,14 @@ Invariants:
   from a function the tests call), the modules the tests import get their globals and classes
   back, names of the solution that shadow a builtin are left out, the preamble's names win, and
   solution and tests are compiled apart (an open string cannot swallow the tests).
+- What the tests compare is plain data (`_harness_plain`, built before the solution runs, in
+  globals of its own). The tests are compiled then, every comparison but `is` / `is not` turned
+  into a call of the guard, which compares private copies made of exact builtin types (int,
+  float, complex, bool, str, bytes, None, range, classes, and list, tuple, dict, set, frozenset
+  of them; a chain evaluates all its operands first). Each function or other callable the
+  solution leaves in the tests' globals, classes aside, returns such a copy to them. Anything
+  else, an object whose `__eq__` always says yes, a subclass of int, str or list, a generator,
+  is a refusal: the run fails (`not plain data: ...`), even when the tests catch the TypeError.
 - Limits: the harness sets the rlimits it is sent (see `sandbox.py`) before the preamble.
 - The filesystem and network filter, all the containment there is in `hooks` mode: reads only from
   the standard library, the work dir and /dev/{null,zero,random,urandom}; writes only in the work
@@ -47,7 +56,10 @@ Invariants:
 - Costs of the containment to honest code: tracebacks cannot be walked (`traceback.print_exc`
   raises AttributeError; `traceback.clear_frames`, which unittest's assertRaises calls, is a
   no-op), no signal handlers, subprocesses, sockets or multiprocessing semaphores, and modules
-  the solution imports first compile from source (`.pyc` loading needs `marshal.loads`).
+  the solution imports first compile from source (`.pyc` loading needs `marshal.loads`). The
+  tests compare plain data only: a function of the solution that returns a generator, a function
+  or an instance of its own class fails, a returned value reaches the tests as a copy (`is` on
+  it is False), and tests that compare other objects (a `Fraction`, `sys.version_info`) fail.
 """
 
 from __future__ import annotations
@@ -64,7 +76,11 @@ __all__ = ["BOOT", "harness_code"]
 def harness_code() -> bytes:
     """The harness, compiled once per worker (marshal: same interpreter) and sent on stdin."""
     codes = []
-    for fn, name in ((_harness_exposed, "<areal-sandbox-exposed>"), (_harness, "<areal-sandbox>")):
+    for fn, name in (
+        (_harness_exposed, "<areal-sandbox-exposed>"),
+        (_harness_plain, "<areal-sandbox-plain>"),
+        (_harness, "<areal-sandbox>"),
+    ):
         codes.append(
             compile(textwrap.dedent(inspect.getsource(fn)), name, "exec", dont_inherit=True)
         )
@@ -72,7 +88,8 @@ def harness_code() -> bytes:
 
 
 # G's -c program: read stdin, run the harness in its own globals and a private copy of the
-# builtins (so nothing the solution reaches can change what the harness calls).
+# builtins (so nothing the solution reaches can change what the harness calls); the same for the
+# plain-data guard, apart from both.
 BOOT = """\
 def _boot():
     import builtins, marshal, os
@@ -83,14 +100,16 @@ def _boot():
             break
         data += chunk
     n = int(data[:16])
-    exposed_code, harness_code = marshal.loads(bytes(data[16 : 16 + n]))
+    exposed_code, plain_code, harness_code = marshal.loads(bytes(data[16 : 16 + n]))
     job = bytes(data[16 + n :])
     del data
     b = {"__builtins__": dict(builtins.__dict__), "__name__": "areal_sandbox_exposed"}
     exec(exposed_code, b)
+    c = {"__builtins__": dict(builtins.__dict__), "__name__": "areal_sandbox_plain"}
+    exec(plain_code, c)
     a = {"__builtins__": dict(builtins.__dict__), "__name__": "areal_sandbox"}
     exec(harness_code, a)
-    a["_harness"](b["_harness_exposed"], job)
+    a["_harness"](b["_harness_exposed"], c["_harness_plain"], job)
 _boot()
 """
 
@@ -148,7 +167,203 @@ def _harness_exposed(audit):  # pragma: no cover - runs inside the sandbox
     return Made, create_builtin, create_dynamic, refused, private_import, clear_frames
 
 
-def _harness(exposed, job):  # noqa: C901  # pragma: no cover - runs inside the sandbox
+def _harness_plain():  # noqa: C901  # pragma: no cover - runs inside the sandbox
+    """The plain-data guard, built in the trusted phase: `(compile_tests, compare, wrap,
+    refusals)`. It runs in globals of its own that no object the solution can reach refers to
+    (only a function the tests hand to the solution leads here), and every name its closures
+    call is bound below, before the solution runs: nothing the solution patches (builtins,
+    `isinstance`, a metaclass's `__eq__` or `__hash__`) changes what it checks.
+
+    `plain(value)` is a private copy of `value` made of exact builtin types only: `int`,
+    `float`, `complex`, `bool`, `str`, `bytes`, `None`, `range`, classes whose metaclass is
+    `type` (compared by identity), and `list`, `tuple`, `dict`, `set`, `frozenset` of them at
+    any depth (`collections`' `OrderedDict`, `defaultdict` and `Counter` become a `dict`). Any
+    other object, a subclass of these included, is refused: it is recorded in `refusals` (the
+    harness fails the run on any, even when the tests catch the TypeError raised with it).
+    Only the types are tested (by identity, never `==`, `in` or `hash` on a type the solution
+    made) and only exact builtin types' own C code runs; the copy is the harness's alone, so
+    neither a thread nor a later call of the solution can change it after the check."""
+    import ast
+    import collections
+
+    type_of, id_of, len_, range_, callable_ = type, id, len, range, callable
+    issubclass_ = issubclass
+    str_, tuple_, frozenset_, set_, list_ = str, tuple, frozenset, set, list
+    type_error, recursion_error, memory_error = TypeError, RecursionError, MemoryError
+    base_exception = BaseException
+    type_name = type.__dict__["__name__"].__get__
+    list_copy, list_append, set_add, dict_items = list.copy, list.append, set.add, dict.items
+    range_start = range.__dict__["start"].__get__
+    range_stop = range.__dict__["stop"].__get__
+    range_step = range.__dict__["step"].__get__
+    module_type, none_type, class_type = type_of(ast), type_of(None), type
+    scalars = (int, float, complex, bool, str, bytes, none_type)
+    dict_types = (dict, collections.OrderedDict, collections.defaultdict, collections.Counter)
+    max_depth, max_refusals = 200, 16
+    refusals = []
+    allowed = (
+        "the tests see only exact int, float, complex, bool, str, bytes, None, range, classes,"
+        " and list, tuple, dict, set, frozenset of them"
+    )
+
+    def one_of(t, types):  # `is`, never `in`: a metaclass answers `==`
+        for x in types:  # noqa: SIM110 - no builtin looked up at run time
+            if x is t:
+                return True
+        return False
+
+    def name_of(t):
+        try:
+            name = type_name(t)
+        except base_exception:  # a hostile metaclass
+            return "?"
+        return name if type_of(name) is str_ else "?"
+
+    class NotPlain(Exception):
+        pass
+
+    def copy(value, memo, depth):
+        t = type_of(value)
+        if one_of(t, scalars) or t is class_type:
+            return value
+        if depth > max_depth:
+            raise NotPlain(f"data nested deeper than {max_depth}")
+        key = id_of(value)
+        seen = memo.get(key)
+        if seen is not None and seen[0] is value:
+            return seen[1]
+        if t is list_:
+            out = []
+            memo[key] = (value, out)
+            for item in list_copy(value):
+                list_append(out, copy(item, memo, depth + 1))
+            return out
+        if t is tuple_:
+            out = tuple_([copy(item, memo, depth + 1) for item in value])
+        elif t is set_ or t is frozenset_:
+            out = set_()
+            for item in value:
+                set_add(out, copy(item, memo, depth + 1))
+            if t is frozenset_:
+                out = frozenset_(out)
+        elif one_of(t, dict_types):
+            out = {}
+            memo[key] = (value, out)
+            for k, v in list_(dict_items(value)):
+                out[copy(k, memo, depth + 1)] = copy(v, memo, depth + 1)
+            return out
+        elif t is range_:
+            parts = (range_start(value), range_stop(value), range_step(value))
+            if not (type_of(parts[0]) is int and type_of(parts[1]) is int):
+                raise NotPlain("a range of " + name_of(type_of(parts[0])))
+            if type_of(parts[2]) is not int:
+                raise NotPlain("a range of " + name_of(type_of(parts[2])))
+            out = range_(*parts)
+        else:
+            raise NotPlain(name_of(t))
+        memo[key] = (value, out)
+        return out
+
+    def plain(value, what):
+        """A private plain copy of `value`, else a refusal (recorded, then TypeError)."""
+        try:
+            return copy(value, {}, 0)
+        except NotPlain as e:
+            found = e.args[0]
+        except (recursion_error, memory_error):
+            found = "data too deep or too large to copy"
+        except base_exception as e:  # e.g. a thread changed a dict while it was copied
+            found = "data that changed while it was copied (" + name_of(type_of(e)) + ")"
+        reason = f"{what} {found} ({allowed})"
+        if len_(refusals) < max_refusals:
+            list_append(refusals, reason)
+        raise type_error("sandbox: " + reason)
+
+    def compare_one(left, op, right):
+        if op == 8:
+            return left is right
+        if op == 9:
+            return left is not right
+        a = plain(left, "the tests compared")
+        b = plain(right, "the tests compared")
+        if op == 0:
+            return a == b
+        if op == 1:
+            return a != b
+        if op == 2:
+            return a < b
+        if op == 3:
+            return a <= b
+        if op == 4:
+            return a > b
+        if op == 5:
+            return a >= b
+        if op == 6:
+            return a in b
+        return a not in b
+
+    def compare(*args):
+        """`left op right [op right ...]`: the tests' comparisons, rewritten (see
+        `compile_tests`); a chain evaluates all of its operands first."""
+        left, result = args[0], True
+        for i in range_(1, len_(args), 2):
+            result = compare_one(left, args[i], args[i + 1])
+            if not result:
+                return result
+            left = args[i + 1]
+        return result
+
+    wrapped = {}  # id(wrapper) -> (wrapper, the solution's function)
+
+    def unwrapped(value):
+        entry = wrapped.get(id_of(value))
+        return entry[1] if entry is not None and entry[0] is value else value
+
+    def wrap(fn, name):
+        """`fn` as the tests call it: what it returns reaches them as a plain copy. A wrapper
+        the tests pass it (`apply(add, 2, 3)`) is passed as the function it wraps: the
+        solution never holds one (its closure leads to the guard)."""
+        what = f"{name}() returned"
+
+        def call(*args, **kwargs):
+            args = tuple_([unwrapped(a) for a in args])
+            kwargs = {k: unwrapped(v) for k, v in dict_items(kwargs)}
+            return plain(fn(*args, **kwargs), what)
+
+        wrapped[id_of(call)] = (call, fn)
+        return call
+
+    def wanted(value):
+        """A function or other callable of the solution (classes and modules are not)."""
+        t = type_of(value)
+        plain_callable = not issubclass_(t, class_type) and not issubclass_(t, module_type)
+        return plain_callable and callable_(value)
+
+    codes = {ast.Eq: 0, ast.NotEq: 1, ast.Lt: 2, ast.LtE: 3, ast.Gt: 4, ast.GtE: 5}
+    codes.update({ast.In: 6, ast.NotIn: 7, ast.Is: 8, ast.IsNot: 9})
+
+    class Guard(ast.NodeTransformer):
+        def visit_Compare(self, node):
+            self.generic_visit(node)
+            ops = [codes[type_of(op)] for op in node.ops]
+            if all(op >= 8 for op in ops):
+                return node  # identity only: nothing to copy
+            args = [node.left]
+            for op, right in zip(ops, node.comparators, strict=True):
+                args += [ast.Constant(op), right]
+            call = ast.Call(ast.Name("_areal_compare", ast.Load()), args, [])
+            return ast.copy_location(call, node)
+
+    def compile_tests(src):
+        """The tests' code object, every comparison but `is` / `is not` a call of `compare`."""
+        tree = compile(src, "<tests>", "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
+        tree = ast.fix_missing_locations(Guard().visit(tree))
+        return compile(tree, "<tests>", "exec", dont_inherit=True, optimize=0)
+
+    return compile_tests, compare, wrap, wanted, refusals
+
+
+def _harness(exposed, plain_guard, job):  # noqa: C901  # pragma: no cover - runs inside the sandbox
     """The trusted side of G: limits, the audit hook, then preamble, solution, tests, verdict.
     Everything it calls once the solution has run is bound here first (see the module)."""
     import _imp
@@ -477,9 +692,11 @@ def _harness(exposed, job):  # noqa: C901  # pragma: no cover - runs inside the 
         return f"{name}{msg}{line}"
 
     def run(src, filename, globals_):
-        """None if `src` ran to its end, else the exception."""
+        """None if `src` (source, or a code object) ran to its end, else the exception."""
         try:
-            exec(compile(src, filename, "exec", dont_inherit=True, optimize=0), globals_)
+            if type(src) is str:
+                src = compile(src, filename, "exec", dont_inherit=True, optimize=0)
+            exec(src, globals_)
         except BaseException as exc:  # noqa: BLE001 - every way out is a verdict
             return exc
         return None
@@ -503,6 +720,12 @@ def _harness(exposed, job):  # noqa: C901  # pragma: no cover - runs inside the 
             __import__(name)
         except Exception:  # noqa: BLE001, S112 - the tests will fail on it themselves
             continue
+    # the plain-data guard (imports ast and collections), and the tests compiled through it
+    compile_tests, compare, wrap, wanted, not_plain = plain_guard()
+    try:
+        tests_code = compile_tests(tests)
+    except Exception as e:  # noqa: BLE001 - a SyntaxError: reported when the tests would run
+        tests_code = e
     if "traceback" in sys.modules:  # unittest's assertRaises calls it: tb_frame is refused
         sys.modules["traceback"].clear_frames = clear_frames
     pre_g = dict(g)
@@ -579,6 +802,10 @@ def _harness(exposed, job):  # noqa: C901  # pragma: no cover - runs inside the 
             by_name = {name: copies[id(m)][1] for name, (m, _) in modules_snap.items()}
             tb["__import__"] = private_import(builtins_snap["__import__"], copies, by_name)
             tg["__builtins__"] = tb
+            for k, v in list(tg.items()):  # the solution's functions return plain copies
+                if k not in pre_g and wanted(v):
+                    tg[k] = wrap(v, k)
+            tg["_areal_compare"] = compare  # what the tests' comparisons call
         except BaseException as e:  # noqa: BLE001 - the solution broke something we copy
             failure = (
                 "failed",
@@ -587,7 +814,9 @@ def _harness(exposed, job):  # noqa: C901  # pragma: no cover - runs inside the 
             )
     if failure is None:
         phase[0] = "tests"
-        exc = run(tests, "<tests>", tg)
+        exc = tests_code if issubclass(type(tests_code), Exception) else None
+        if exc is None:
+            exc = run(tests_code, "<tests>", tg)
         if exc is None:
             failure = ("passed", "the solution and all its tests ran", None)
         elif issubclass(type(exc), AssertionError):
@@ -603,6 +832,8 @@ def _harness(exposed, job):  # noqa: C901  # pragma: no cover - runs inside the 
 
     # -- the verdict: once, from this process, with the nonce -------------------------------------
     status, reason, exc = failure
+    if not_plain and status != "violation":  # even when the tests caught the TypeError
+        status, reason = "failed", "not plain data: " + not_plain[0]
     if refusals:
         more = f" (+{len(refusals) - 3} more)" if len(refusals) > 3 else ""
         status, reason = "violation", f"refused: {'; '.join(refusals[:3])}{more}; then {reason}"

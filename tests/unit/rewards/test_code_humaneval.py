@@ -6,8 +6,10 @@ Each sandbox run is a python subprocess: the problems of a test run concurrently
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -86,6 +88,57 @@ def test_broken_solutions_score_0(make: Callable[[Problem], str], why: str):
     assert rewards(make, TASK_IDS) == dict.fromkeys(TASK_IDS, 0.0), why
 
 
+# The attacker's hacks: an object that equals everything, and an int that does.
+ALWAYS_EQUAL = """
+class AlwaysEqual:
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+    def __hash__(self):
+        return 0
+"""
+ALWAYS_EQUAL_INT = """
+class AlwaysEqualInt(int):
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+    __hash__ = int.__hash__
+"""
+HACKS = {
+    "always_equal": (ALWAYS_EQUAL, "AlwaysEqual()"),
+    "int": (ALWAYS_EQUAL_INT, "AlwaysEqualInt(0)"),
+}
+CODE_JSONL = Path(__file__).resolve().parents[3] / "examples" / "data" / "code.jsonl"
+
+
+def hack(kind: str, entry_point: str) -> str:
+    cls, value = HACKS[kind]
+    return fenced(f"{cls}\ndef {entry_point}(*args, **kwargs):\n    return {value}\n")
+
+
+def test_the_always_equal_hacks_score_0_everywhere_while_the_canonical_solutions_score_1():
+    # Before the plain-data guard both hacks scored 1.0 on 153 of the 164 problems and on all
+    # 8 tasks of examples/data/code.jsonl. ~18 s for the 516 runs on 2 cores.
+    ids = list(PROBLEMS)
+    assert len(ids) == 164
+    assert rewards(canonical, ids) == dict.fromkeys(ids, 1.0)
+    for kind in HACKS:
+        assert rewards(lambda p, k=kind: hack(k, p["entry_point"]), ids) == dict.fromkeys(ids, 0.0)
+    tasks = [json.loads(line) for line in CODE_JSONL.read_text().splitlines() if line.strip()]
+    assert len(tasks) == 8
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        targets = list(pool.map(lambda t: code_reward(fenced(t["target"]), t["test"]), tasks))
+        hacked = [
+            list(
+                pool.map(lambda t, k=kind: code_reward(hack(k, t["entry_point"]), t["test"]), tasks)
+            )
+            for kind in HACKS
+        ]
+    assert targets == [1.0] * 8 and hacked == [[0.0] * 8, [0.0] * 8]
+
+
 def test_an_infinite_loop_scores_0_within_the_timeout():
     loop = lambda p: with_body(p, "    while True:\n        pass\n")  # noqa: E731
     assert rewards(loop, LOOP_IDS, timeout_s=1.0) == dict.fromkeys(LOOP_IDS, 0.0)
@@ -95,10 +148,40 @@ def test_humaneval_answer_layout():
     answer = humaneval_answer(PROBLEMS["HumanEval/12"])
     preamble, tests = answer.split(f"{CODE_TESTS_MARKER}\n")
     assert preamble == "from typing import List, Optional\n"
-    assert tests.startswith(PROBLEMS["HumanEval/12"]["test"])
+    assert tests.startswith(preamble) and PROBLEMS["HumanEval/12"]["test"] in tests
     assert tests.endswith("\ncheck(longest)\n")
     no_imports = humaneval_answer(PROBLEMS["HumanEval/2"])
     assert no_imports.startswith(f"{CODE_TESTS_MARKER}\n")  # an empty preamble
+    assert (
+        no_imports
+        == f"{CODE_TESTS_MARKER}\n{PROBLEMS['HumanEval/2']['test']}\ncheck(truncate_number)\n"
+    )
+    # a helper of the prompt: in the preamble, and again in the tests, which call their own
+    preamble, tests = humaneval_answer(PROBLEMS["HumanEval/38"]).split(f"{CODE_TESTS_MARKER}\n")
+    assert preamble.startswith("def encode_cyclic(s: str):") and "def decode_cyclic" not in preamble
+    assert tests.startswith(preamble)
+    # no `def <entry_point>(` line: the leading imports only, as before
+    odd = {"prompt": "import math\nx = 1\n", "test": "T", "entry_point": "f"}
+    assert (
+        humaneval_answer(odd) == f"import math\n{CODE_TESTS_MARKER}\nimport math\n\n\nT\ncheck(f)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("task_id", "code"),
+    [
+        ("HumanEval/38", "def encode_cyclic(s):\n    return s\ndef decode_cyclic(s):\n    return s\n"),
+        ("HumanEval/50", "def encode_shift(s):\n    return s\ndef decode_shift(s):\n    return s\n"),
+        ("HumanEval/32", "def poly(xs, x):\n    return 0\ndef find_zero(xs):\n    return 0.0\n"),
+        # the helper's module, rebound in the solution's globals (the helpers' globals there)
+        ("HumanEval/32", "import types\nmath = types.SimpleNamespace(pow=lambda a, b: 0)\n"
+         "def find_zero(xs):\n    return 0.0\n"),
+    ],
+    ids=["identity_cyclic", "identity_shift", "poly_is_zero", "math_rebound"],
+)  # fmt: skip
+def test_redefining_the_helpers_the_tests_call_scores_0(task_id: str, code: str):
+    # these scored 1.0 while the tests called the solution's own helpers
+    assert code_reward(fenced(code), humaneval_answer(PROBLEMS[task_id])) == 0.0
 
 
 def test_build_program_places_the_preamble_before_the_code():
