@@ -1,4 +1,4 @@
-"""`areal`: run | worker | prepare | tap | top | plot | metrics-exporter | schema |
+"""`areal`: run | worker | prepare | declare | tap | top | plot | metrics-exporter | schema |
 model import | nats-config.
 
 Heavy imports (torch, transformers) happen inside the subcommands so `--help` and config
@@ -180,6 +180,50 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_declare(args: argparse.Namespace) -> int:
+    from areal.bus.errors import AuthenticationFailed, PermissionDenied, RunConflictError
+    from areal.bus.streams import StorageLimitError
+    from areal.config import ConfigError, load_settings
+    from areal.launch.declare import declare_run_now
+    from areal.logging import setup_logging
+
+    overrides = list(args.overrides)
+    if args.nats_url:
+        overrides.append(f"nats.url={args.nats_url}")
+    try:
+        settings = load_settings(args.config, overrides)
+        setup_logging(level=settings.log_level, log_format=settings.log_format, role="launcher")
+        if not settings.nats.url:
+            raise ConfigError(
+                "config error: nats.url is not set: `areal declare` declares a run on a server "
+                "you started (--nats-url URL); `areal run` declares on its own server"
+            )
+        declare_run_now(settings)
+    except (ConfigError, RunConflictError, StorageLimitError) as e:
+        print(str(e).splitlines()[0], file=sys.stderr)
+        return 2
+    except (AuthenticationFailed, PermissionDenied) as e:
+        print(f"config error: {e} (declare with the launcher's credentials)", file=sys.stderr)
+        return 2
+    print(f"declared run {settings.run_id} on {settings.nats.url}", file=sys.stderr)
+    return 0
+
+
+def add_declare_command(sub) -> None:
+    """`areal declare --config FILE`: the run's streams, consumers and buckets, as the
+    launcher (`areal.launch.declare`; compose's `declare` service)."""
+    n = sub.add_parser(
+        "declare",
+        help="create (or bring to the config's limits) a run's streams, stage consumers and "
+        "buckets with the launcher's credentials, before workers start where no `areal run` "
+        "launcher does it (compose, Kubernetes, workers started by hand)",
+    )
+    n.add_argument("--config", help="run config (YAML); AREAL_* variables apply as for workers")
+    n.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    n.add_argument("--nats-url", help="the NATS server (default: nats.url of the config)")
+    n.set_defaults(fn=cmd_declare)
+
+
 def add_prepare_command(sub) -> None:
     """`areal prepare --config FILE`: a run's keys, NATS accounts and model, for workers that
     someone else starts (`areal.launch.prepare`; compose's `setup` service)."""
@@ -325,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_commands(sub)
     add_nats_config_command(sub)
     add_prepare_command(sub)
+    add_declare_command(sub)
 
     try:
         from areal.monitor.cli import add_monitor_commands

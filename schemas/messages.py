@@ -241,6 +241,9 @@ class MetricRecord(Message):
         return f"{self.worker_id}-{self.type}-{self.time:.6f}"
 
 
+SIGNED_EVENTS = frozenset({"run_finished"})  # events that stop workers: signed by the trainer
+
+
 class Event(Message):
     kind: ClassVar[str] = "event"
     type: str = Field(description="snake_case event name, e.g. run_finished, task_dropped")
@@ -248,9 +251,20 @@ class Event(Message):
     worker_id: str = ""
     time: float = Field(default_factory=time.time)
     detail: dict[str, Any] = Field(default_factory=dict)
+    signature: str | None = Field(
+        default=None,
+        description="hex Ed25519 signature of `signed_bytes(run_id)` by the run's trainer key "
+        "(events in SIGNED_EVENTS); None for the others",
+    )
 
     def msg_id(self) -> str:
         return f"{self.worker_id}-{self.type}-{self.time:.6f}"
+
+    def signed_bytes(self, run_id: str) -> bytes:
+        """What the signature covers: the run, the event and its detail (canonical JSON)."""
+        detail = json.dumps(self.detail, sort_keys=True, separators=(",", ":"), default=str)
+        head = f"areal-event\n{run_id}\n{self.type}\n{self.role}\n{self.worker_id}\n"
+        return (head + f"{self.time!r}\n{detail}").encode()
 
 
 class DeadLetter(Message):

@@ -55,10 +55,10 @@ from areal.bus.events import (
     BusSubscription,
     EventSubscription,
     OnMetric,
-    RenewedSubscription,
     subscribe_decoded,
     subscribe_events,
 )
+from areal.bus.follow import StreamFollower
 from areal.bus.jetstream import PublishAcks, PullInbox
 from areal.bus.kv import KVWatch, RunStateKV
 from areal.bus.lease import Lease
@@ -68,6 +68,7 @@ from areal.config import NatsSettings
 from areal.security.keys import RunKeys
 from schemas import DeadLetter, Event, Message, MetricRecord, WeightAnnouncement
 from schemas import subjects as S
+from schemas.messages import SIGNED_EVENTS
 from schemas.subjects import RunNames
 
 log = structlog.get_logger()
@@ -165,6 +166,7 @@ class Bus:
         self._nc, self._js = nc, nc.jetstream()
         self._denials = denials or Denials()  # what the server refused this connection
         self.keys = keys  # the run's keys (`areal.security.keys`): ids_secret, weights keys
+        self._sign = sign_weights  # sign and verify weights and `SIGNED_EVENTS` with them
         self.url = url or nc.connected_url.geturl()
         self.names = RunNames(run_id)
         self.role, self.worker_id = role, worker_id
@@ -176,7 +178,7 @@ class Bus:
         self._denials.listen(
             lambda op, subject: self._acks.deny(subject, lambda s: self._denials.error(s, op))
         )
-        self._renewed: set[RenewedSubscription] = set()  # opened again after a reconnect
+        self._followers: set[StreamFollower] = set()  # told to read again after a reconnect
         # resolved at the next reconnect: what `_through_outage` ops in flight give up on
         self._next_reconnect: asyncio.Future[None] | None = None
         if reconnects is not None:
@@ -185,6 +187,7 @@ class Bus:
         self._weights = RunWeights(
             self._js,
             self.names,
+            nc=self._nc,
             url=self.url,
             client_name=f"areal-{self.names.run_id}-{worker_id}-weights",
             weights_keep=self.settings.weights_keep,
@@ -214,9 +217,9 @@ class Bus:
 
         Credentials: `credentials`, else those `nats` names for `role` (`credentials_for`:
         `nats.credentials_file`, or `<nats.credentials_dir>/<role>.json`); a server that
-        refuses them raises `AuthenticationFailed`. Only roles allowed to create the run's
-        streams may `declare` on a server with per-role accounts (`nats_config.DECLARERS`);
-        the others connect with `declare=False` and `wait_declared`.
+        refuses them raises `AuthenticationFailed`. On a server with per-role accounts only the
+        launcher may `declare` (`nats_config.DECLARERS`); the workers connect with
+        `declare=False` and `wait_declared`.
 
         Weights: with `keys` (and `sign_weights`) the bus signs what it announces (with the
         trainer's signing key) and trusts only announcements that verify; without keys, or
@@ -294,8 +297,8 @@ class Bus:
             await asyncio.sleep(RETRY_MAX_DELAY_S)
 
     async def wait_declared(self, stop: asyncio.Event, report_s: float = 30.0) -> bool:
-        """Wait until the run's streams and buckets exist (declared by its controller or
-        trainer: `declare`); True once they do, False when `stop` was set first. Logs
+        """Wait until the run's streams and buckets exist (declared by its launcher, or on a
+        server without accounts by its controller or trainer: `declare`); True once they do, False when `stop` was set first. Logs
         `waiting_for_run` at once and every `report_s` seconds, so a wait is never silent."""
         loop = asyncio.get_running_loop()
         t0, next_report = loop.time(), loop.time()
@@ -310,8 +313,8 @@ class Bus:
                 next_report = loop.time() + report_s
                 log.info(
                     "waiting_for_run",
-                    reason="its streams do not exist yet: the run's controller or trainer "
-                    "declares them",
+                    reason="its streams do not exist yet: the run's launcher declares them "
+                    "(`areal run`, or `areal declare` where no launcher runs)",
                     run_id=self.names.run_id,
                     waited_s=round(loop.time() - t0),
                 )
@@ -350,21 +353,15 @@ class Bus:
 
     async def subscribe_metrics(
         self, role: str, type_: str, cb: OnMetric, *, replay: bool = False
-    ) -> BusSubscription:
+    ) -> BusSubscription | StreamFollower:
         """Live metrics `areal.<run>.metrics.<role>.<type>` (e.g. the trainer's `step` records);
-        `replay`: first every such record the metrics stream still holds (then an ordered
-        consumer, opened again where it left off after a reconnect)."""
+        `replay`: first every such record the metrics stream still holds, then each new one,
+        once and in order (a `StreamFollower`: direct gets, no consumer)."""
         subject = f"{self.names.metrics_subject(role)}.{type_}"
-        sub = await subscribe_decoded(
-            self._nc,
-            subject,
-            MetricRecord,
-            cb,
-            js=self._js if replay else None,
-            give_up_after_s=self.settings.outage_tolerance_s,
-        )
-        if isinstance(sub, RenewedSubscription):  # an ordered consumer: renewed on reconnect
-            self._renewed.add(sub)
+        stream = self.names.stream(S.METRICS) if replay else None
+        sub = await subscribe_decoded(self._nc, subject, MetricRecord, cb, stream)
+        if isinstance(sub, StreamFollower):
+            self._followers.add(sub)
         return sub
 
     # ---------------------------------------------------------------- publishing
@@ -471,8 +468,24 @@ class Bus:
         await self.publish(S.METRICS, rec, self.role, type_)
 
     async def event(self, type_: str, **detail: Any) -> None:
+        """Publish a run event; one that stops workers (`SIGNED_EVENTS`) is signed with the
+        run's key when this bus holds the signing key (the trainer's)."""
         ev = Event(type=type_, role=self.role, worker_id=self.worker_id, detail=detail)
+        if type_ in SIGNED_EVENTS and self._sign and self.keys and self.keys.signing_key:
+            ev.signature = self.keys.sign(ev.signed_bytes(self.names.run_id))
         await self.publish(S.EVENTS, ev, type_)
+
+    def event_rejection(self, ev: Event) -> str | None:
+        """Why `ev` (a kind in `SIGNED_EVENTS`) is not to be acted on: unsigned, or not signed
+        by this run's trainer key; None to trust it. A bus without the run's keys, or with
+        signing off (`security.sign_weights=false`), trusts every one (nothing to check with)."""
+        if ev.type not in SIGNED_EVENTS or not self._sign or self.keys is None:
+            return None
+        if not ev.signature:
+            return f"{ev.type} from {ev.worker_id or '?'} is not signed with the run's key"
+        if not self.keys.verify(ev.signed_bytes(self.names.run_id), ev.signature):
+            return f"{ev.type} from {ev.worker_id or '?'} has a signature the run's key refuses"
+        return None
 
     async def dead_letter(self, stage: str, msg: Msg, reason: str) -> None:
         """Publish `msg` to `dlq.<stage>` with `reason`, bounded in size: the reason, subject
@@ -636,7 +649,7 @@ class Bus:
         if state is None:
             bucket = self.names.state_bucket
             kv = await self._nc.jetstream(timeout=wait_s).key_value(bucket)
-            state = self._states[wait_s] = RunStateKV(kv, bucket)
+            state = self._states[wait_s] = RunStateKV(kv, bucket, self._nc)
         return state
 
     async def _kv_op(
@@ -693,9 +706,7 @@ class Bus:
         """Changes of `key` from now on (`KVWatch.wait`); create it before reading the key.
         Rides through a server outage (`_kv_op`), and outlives its consumer on the server
         (reopened after a reconnect: `KVWatch`)."""
-        return await self._kv_op(
-            lambda s: s.watch(key, lambda: self.reconnects), f"watching {key!r}"
-        )
+        return await self._kv_op(lambda s: s.watch(key), f"watching {key!r}")
 
     # ---------------------------------------------------------------- weights (`run_weights`)
     async def put_weights(
@@ -742,32 +753,26 @@ class Bus:
 
     async def subscribe_weights(
         self, cb: Callable[[WeightAnnouncement], Awaitable[None]]
-    ) -> RenewedSubscription:
-        """Deliver the latest trusted announcement now and every later trusted one (ordered
-        consumer); untrusted ones are logged (`weights_rejected`) and never delivered. After a
-        reconnect the subscription is made again and delivers the latest again
-        (`RenewedSubscription`): `cb` must take an announcement it has seen."""
-
-        def open_() -> Awaitable[BusSubscription]:
-            return self._weights.subscribe(cb)
-
-        # the first subscribe rides through an outage; a renewal retries on its own, as long
-        first = await self._through_outage(open_, "subscribing to weight announcements")
-        sub = RenewedSubscription(first, open_, self.settings.outage_tolerance_s)
-        self._renewed.add(sub)
+    ) -> StreamFollower:
+        """Deliver the latest trusted announcement now and every later trusted one, each once
+        and in order (`RunWeights.subscribe`); untrusted ones are logged (`weights_rejected`)
+        and never delivered. A reconnect delays an announcement, never loses it."""
+        sub = await self._through_outage(
+            lambda: self._weights.subscribe(cb), "subscribing to weight announcements"
+        )
+        self._followers.add(sub)
         return sub
 
     def _on_reconnect(self) -> None:
         """The connection is back (maybe on another server): publishes waiting for an ack and
-        requests waiting for an answer (`_through_outage`) are retried at once, and ordered
-        consumers made again (both are gone with the server
-        that held them)."""
+        requests waiting for an answer (`_through_outage`) are retried at once, and followers
+        read again now (what was stored meanwhile rang no doorbell here)."""
         self._acks.reconnected()
         if self._next_reconnect is not None and not self._next_reconnect.done():
             self._next_reconnect.set_result(None)
-        for sub in list(self._renewed):
+        for sub in list(self._followers):
             if sub.closed:
-                self._renewed.discard(sub)
+                self._followers.discard(sub)
             else:
                 sub.renew_soon()
 

@@ -7,24 +7,23 @@ Invariants:
 - `get` returns None only when the key has no value (never written, deleted or purged);
 - `KVWatch.wait` reports writes made after the watch started (the value current at its start is
   not a change); a timeout is a normal answer (False), never an exception;
-- a `KVWatch` outlives its server-side consumer: after the connection reconnected (a restarted
-  server, a failover to another cluster node), or when told with `reopen()`, it opens a new one
-  and its next `wait` says True (a write may have been missed meanwhile: read the key again).
+- a `KVWatch` creates nothing on the server: it follows the key's subject by direct gets
+  (`areal.bus.follow`), so a reconnect, a restarted server or a failover delays a write's
+  report, never loses it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import nats.errors
+from nats.aio.client import Client
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ValidationError
 
 from areal.bus.errors import StateDecodeError
+from areal.bus.follow import StoredMsg, StreamFollower, follow_stream, last_seq
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -32,98 +31,61 @@ T = TypeVar("T", bound=BaseModel)
 class KVWatch:
     """Changes of one key after the watch started (create it before reading the key).
 
-    The library's watcher is an ephemeral ordered consumer on the server. A restarted server, or
-    the death of the cluster node that held it, loses it, and the library notices only after two
-    missed 5 s heartbeats: 10-20 s in which writes go unreported, and a caller that waits for
-    them (the controller, for each new policy version) crawls on its fallback timeouts. So the
-    watch opens a new consumer when the connection has reconnected since it opened its own, and
-    when a caller that saw a write it did not report says so (`reopen`)."""
+    A `StreamFollower` of the key's subject from the sequence after its current value: every
+    later write (or delete) is read by sequence, whatever happened to the connection meanwhile,
+    and a core subscription on the subject wakes it at once. No consumer is made (no role may
+    create one: `areal.bus.nats_config`)."""
 
-    def __init__(
-        self,
-        open_watcher: Callable[[], Awaitable[KeyValue.KeyWatcher]],
-        reconnects: Callable[[], int],
-    ) -> None:
-        self._open_watcher, self._reconnects = open_watcher, reconnects
-        self._watcher: KeyValue.KeyWatcher | None = None
-        self._opened_at = -1  # the connection's reconnect count when the watcher was opened
-        self._initial_done = False  # the watcher first replays the current value, then None
+    def __init__(self) -> None:
+        self._changed = asyncio.Event()
+        self._follower: StreamFollower | None = None
         self._stopped = False
-        self.reopened = 0  # consumers opened after the first
+        self.reopened = 0  # times a caller said a write went unreported (`reopen`)
 
     @classmethod
-    async def open(
-        cls,
-        open_watcher: Callable[[], Awaitable[KeyValue.KeyWatcher]],
-        reconnects: Callable[[], int],
-    ) -> KVWatch:
-        watch = cls(open_watcher, reconnects)
-        watch._opened_at = reconnects()
-        watch._watcher = await open_watcher()
+    async def open(cls, nc: Client, bucket: str, key: str) -> KVWatch:
+        watch = cls()
+        stream, subject = f"KV_{bucket}", f"$KV.{bucket}.{key}"
+
+        async def on_write(_msg: StoredMsg) -> None:
+            watch._changed.set()
+
+        start = await last_seq(nc, stream, subject) + 1
+        watch._follower = await follow_stream(nc, stream, subject, on_write, start_seq=start)
         return watch
 
     def reopen(self) -> None:
-        """The caller read a write this watch did not report: its consumer is likely gone.
-        The next `wait` opens a new one and says True."""
-        self._opened_at = -1
-
-    async def _renew(self) -> bool:
-        """Replace the watcher; False when the server cannot make one now (try again later)."""
-        old, self._watcher = self._watcher, None
-        if old is not None:
-            with contextlib.suppress(nats.errors.Error):  # its consumer may be gone already
-                await old.stop()
-        opened_at = self._reconnects()
-        try:
-            self._watcher = await self._open_watcher()
-        except (nats.errors.Error, asyncio.TimeoutError):
-            return False
-        self._opened_at, self._initial_done = opened_at, False
+        """The caller read a write this watch did not report yet (it is on its way: reads are
+        by sequence): the next `wait` says True at once."""
         self.reopened += 1
-        return True
+        self._changed.set()
 
     async def wait(self, timeout_s: float) -> bool:
-        """True when the key was written (or deleted) since the watch started or the last True,
-        or may have been (the watch had to reopen); False when `timeout_s` passed without a
-        change, or the watch is stopped."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not self._stopped:
-            remaining = deadline - loop.time()
-            if self._watcher is None or self._opened_at != self._reconnects():
-                if await self._renew():
-                    return True
-                if remaining <= 0:
-                    return False
-                await asyncio.sleep(min(0.5, remaining))  # the server is not back yet
-                continue
-            if remaining <= 0:
-                return False
+        """True when the key was written (or deleted) since the watch started or the last True;
+        False when `timeout_s` passed without a change, or the watch is stopped."""
+        if self._stopped:
+            return False
+        if not self._changed.is_set():
             try:
-                entry = await self._watcher.updates(timeout=remaining)
-            except nats.errors.TimeoutError:
+                await asyncio.wait_for(self._changed.wait(), max(0.0, timeout_s))
+            except asyncio.TimeoutError:
                 return False
-            if entry is None:  # end of the replay of the value current at the start
-                self._initial_done = True
-            elif isinstance(entry, KeyValue.Entry):
-                if self._initial_done:
-                    return True
-            else:  # the library's stop sentinel
-                self._stopped = True
-        return False
+        self._changed.clear()
+        return not self._stopped
 
     async def stop(self) -> None:
         if not self._stopped:
             self._stopped = True
-            if self._watcher is not None:
-                await self._watcher.stop()
+            self._changed.set()
+            if self._follower is not None:
+                await self._follower.unsubscribe()
 
 
 class RunStateKV:
     """The run-state bucket of one run, typed."""
 
-    def __init__(self, kv: KeyValue, bucket: str) -> None:
-        self._kv, self.bucket = kv, bucket
+    def __init__(self, kv: KeyValue, bucket: str, nc: Client) -> None:
+        self._kv, self.bucket, self._nc = kv, bucket, nc
 
     async def get(self, key: str, model: type[T]) -> T | None:
         got = await self.get_rev(key, model)
@@ -180,6 +142,6 @@ class RunStateKV:
             return False
         return True
 
-    async def watch(self, key: str, reconnects: Callable[[], int]) -> KVWatch:
-        """A watch of `key`; `reconnects` counts the connection's reconnects (see `KVWatch`)."""
-        return await KVWatch.open(lambda: self._kv.watch(key), reconnects)
+    async def watch(self, key: str) -> KVWatch:
+        """A watch of `key` (see `KVWatch`)."""
+        return await KVWatch.open(self._nc, self.bucket, key)

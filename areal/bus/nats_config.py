@@ -11,15 +11,25 @@ role's code does on the bus (`Bus`, `RunWeights`, `RunStateKV`, `TapClient`, `ru
 | reward     | rewards, metrics.reward.*, events, dlq.trajectories | trajectories | -            |
 | trainer    | weights (+ weights object store), metrics.trainer.*, events incl. run_finished, dlq.rewards | rewards | trainer, lock.trainer |
 | monitor    | nothing (reads streams, KV, subscribes to areal.<run>.>) | -      | -             |
-| launcher   | files object store (what `--join` fetches)    | -                 | -             |
+| launcher   | declares the run (streams, stage consumers, buckets); files object store; its watchdog's events | - | - |
 
 Every worker role also reads the run state (KV), the weights announcements, stream infos and
 the files bucket (to join from another host); only rollout and trainer read the weights object
-store. Only the controller and the trainer may create or update the run's streams,
-consumers and buckets (`declare_run`: `DECLARERS`); rollout and reward wait for them
-(`Bus.wait_declared`). Nobody may delete or purge a stream, except the trainer the chunks of
-its own weights object store and the launcher those of the files bucket. "events" is any kind
-except `run_finished` (which stops every worker): only the trainer publishes that one.
+store. Reads are by sequence (`STREAM.MSG.GET`, `DIRECT.GET`) and following a subject is a
+direct-get loop woken by a core subscription (`areal.bus.follow`).
+
+No worker role may create or change a consumer or a stream. JetStream's `CONSUMER.CREATE` lets
+its caller name a push consumer's `deliver_subject`, and the server then publishes the stream's
+messages there on the caller's behalf without checking that the caller may publish there (so
+one account could deliver a record to `events.run_finished`, or into another stage's queue),
+and `STREAM.UPDATE` can shrink a stream's limits, deleting what it holds. So only the launcher
+declares the run (`declare_run`: `DECLARERS`; `areal run` before any worker starts, `areal
+declare` where no launcher runs); the workers wait for it (`Bus.wait_declared`). Workers
+connected without accounts (a server with no authorization) declare the run themselves, as the
+controller and the trainer (`SELF_DECLARERS`). Nobody may delete or purge a stream, except the
+trainer the chunks of its own weights object store and the launcher those of the files bucket.
+"events" is any kind except `run_finished` (which stops every worker): only the trainer
+publishes that one, and it is signed with the run's key besides (`Bus.event`).
 
 Every user's replies come under its own inbox prefix `_INBOX.<user>` (the only place it may
 subscribe besides the run's subjects it reads), so no account reads another's pull deliveries
@@ -29,8 +39,8 @@ Run scope: one run id, or `*` for every run on the server. NATS wildcards match 
 and stream and bucket names hold the run id inside a token (`AREAL_<RUN>_PROMPTS`), so with `*`
 the stream-level grants cover every stream of the account: the role separation on subjects,
 consumers and KV keys holds, but the object stores of all runs (and of other tools) are open to
-the trainer and the launcher, and stream admin to the controller and the trainer. Prefer one
-config per run, or list several run ids.
+the trainer and the launcher, and stream admin to the launcher. Prefer one config per run, or
+list several run ids.
 
 Invariants:
 - a user has no permission that is not in its role's table: everything else is refused by the
@@ -54,8 +64,13 @@ from schemas.subjects import RunNames
 ANY_RUN = "*"
 WORKER_ROLES = ("controller", "trainer", "rollout", "reward")
 ROLES = (*WORKER_ROLES, "monitor", "launcher")
-DECLARERS = ("controller", "trainer")  # may create/update the run's streams and buckets
+DECLARERS = ("launcher",)  # may create/update the run's streams, consumers and buckets
+SELF_DECLARERS = (
+    "controller",
+    "trainer",
+)  # declare the run themselves on a server without accounts
 API = "$JS.API"
+WATCHDOG_EVENTS = ("worker_frozen", "worker_recovered")  # what the launcher's watchdog says
 PASSWORD_BYTES = 24
 
 
@@ -152,17 +167,6 @@ def _read(stream: str) -> list[str]:
     ]
 
 
-def _follow(stream: str) -> list[str]:
-    """Ephemeral ordered consumers (history replay, KV watch, object reads) and their
-    flow-control replies, and their infos (a KV watch reads its pending count). The unnamed
-    create subject makes only ephemeral consumers."""
-    return [
-        f"{API}.CONSUMER.CREATE.{stream}",
-        f"{API}.CONSUMER.INFO.{stream}.*",
-        f"$JS.FC.{stream}.>",
-    ]
-
-
 def _pull(stream: str, durable: str) -> list[str]:
     """Pull from the stage's durable consumer, and ack / nak / in_progress / term its messages."""
     return [
@@ -194,7 +198,7 @@ def _declare(scope: Scope) -> list[str]:
 def _object_store_write(scope: Scope, bucket: str) -> list[str]:
     """Put and delete objects of one bucket (chunks and metadata, the purge of old chunks)."""
     stream = scope.obj_stream(bucket)
-    return [f"$O.{bucket}.>", f"{API}.STREAM.PURGE.{stream}", *_read(stream), *_follow(stream)]
+    return [f"$O.{bucket}.>", f"{API}.STREAM.PURGE.{stream}", *_read(stream)]
 
 
 def _inbox(user: str) -> str:
@@ -216,28 +220,27 @@ def permissions(role: str, run: str, user: str) -> Permissions:
     # store's info says whether the run is declared (`run_declared`)
     common = [f"{API}.STREAM.NAMES", *_info(*dict.fromkeys(every_stream), weights_obj)]
     if role == "monitor":
-        limits = [sc.stream(s) for s in S.LIMITS_STREAMS]
-        pub = [f"{API}.STREAM.LIST", *common, *_read(kv), *_follow(kv)]
+        pub = [f"{API}.STREAM.LIST", *common, *_read(kv)]
         for stream in dict.fromkeys(every_stream):
             pub += _read(stream)
-        for stream in dict.fromkeys(limits):
-            pub += _follow(stream)
         for stage, durable in S.CONSUMER_OF.items():
             pub.append(f"{API}.CONSUMER.INFO.{sc.stream(stage)}.{durable}")
         return Permissions(_unique(pub), (inbox, sc.subject(">")))
     if role == "launcher":
-        pub = [*common, f"{API}.STREAM.CREATE.{files_obj}"]
+        pub = [*common, *_info(kv), *_declare(sc), f"{API}.STREAM.CREATE.{files_obj}"]
         pub += _object_store_write(sc, sc.files_bucket)
+        pub += [sc.subject(S.EVENTS, kind) for kind in WATCHDOG_EVENTS]
         sub = (inbox, sc.subject(S.METRICS, "trainer", ">"), sc.subject(S.EVENTS, ">"))
+        sub += (sc.subject(S.METRICS, "*", "heartbeat"),)  # its watchdog (areal.launch.watchdog)
         return Permissions(_unique(pub), sub)
 
-    # the worker roles: run state, weights announcements, events, own metrics, shared files
-    pub = [*common, *_read(kv), *_follow(kv), *_read(files_obj), *_follow(files_obj)]
-    pub += [*_read(weights_stream), *_follow(weights_stream)]
+    # the worker roles: run state, weights announcements, events, own metrics, shared files;
+    # what they follow (`areal.bus.follow`) they read by direct gets, woken by a subscription
+    pub = [*common, *_read(kv), *_read(files_obj), *_read(weights_stream)]
     pub += [sc.subject(S.METRICS, role, ">"), sc.subject(S.EVENTS, ">")]
+    sub = [inbox, sc.subject(S.EVENTS, ">"), sc.subject(S.WEIGHTS)]
+    sub.append(f"$KV.{sc.state_bucket}.trainer")  # the trainer's state (`Bus.kv_watch`)
     deny: list[str] = []
-    if role in DECLARERS:
-        pub += _declare(sc)
     if role == "controller":
         pub += [sc.subject(S.PROMPTS), f"$KV.{sc.state_bucket}.controller"]
         pub += [f"$KV.{sc.state_bucket}.lock.controller"]  # areal.bus.role_lock
@@ -245,7 +248,7 @@ def permissions(role: str, run: str, user: str) -> Permissions:
         pub += _pull(sc.stream(S.PROMPTS), S.CONSUMER_OF[S.PROMPTS])
         pub += [sc.subject(S.TRAJECTORIES), sc.subject(S.DLQ, S.PROMPTS)]
         pub += [f"$KV.{sc.state_bucket}.eval.>"]  # evaluation round claims
-        pub += [*_read(weights_obj), *_follow(weights_obj)]
+        pub += _read(weights_obj)
     elif role == "reward":
         pub += _pull(sc.stream(S.TRAJECTORIES), S.CONSUMER_OF[S.TRAJECTORIES])
         pub += [sc.subject(S.REWARDS), sc.subject(S.DLQ, S.TRAJECTORIES)]
@@ -254,10 +257,11 @@ def permissions(role: str, run: str, user: str) -> Permissions:
         pub += [sc.subject(S.WEIGHTS), sc.subject(S.DLQ, S.REWARDS)]
         pub += [f"$KV.{sc.state_bucket}.trainer", f"$KV.{sc.state_bucket}.lock.trainer"]
         pub += _object_store_write(sc, sc.weights_bucket)
-        pub += _follow(sc.stream(S.METRICS))  # replays the rollouts' evaluation records
+        pub += _read(sc.stream(S.METRICS))  # replays the rollouts' evaluation records
+        sub.append(sc.subject(S.METRICS, "rollout", "eval"))
     if role != "trainer":
         deny.append(sc.subject(S.EVENTS, "run_finished"))
-    return Permissions(_unique(pub), (inbox, sc.subject(S.EVENTS, ">")), tuple(deny))
+    return Permissions(_unique(pub), _unique(sub), tuple(deny))
 
 
 def _unique(items: list[str]) -> tuple[str, ...]:

@@ -34,16 +34,15 @@ from typing import TypeVar
 
 import nats.errors
 import structlog
-from nats.aio.msg import Msg
+from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
 from nats.js.errors import APIError, NotFoundError
 
 from areal.bus.auth import NO_CREDENTIALS, Credentials
 from areal.bus.blobs import CHUNK_BYTES, BytesBlob, BytesSink, WeightsBlob, WeightsSink
 from areal.bus.codec import DecodeError, decode
 from areal.bus.errors import WeightsRejected
-from areal.bus.events import BusSubscription
+from areal.bus.follow import StoredMsg, StreamFollower, follow_stream, last_seq
 from areal.bus.weights import WeightsChannel
 from areal.security.keys import RunKeys
 from schemas import WeightAnnouncement
@@ -169,6 +168,7 @@ class RunWeights:
         js: JetStreamContext,
         names: RunNames,
         *,
+        nc: Client,
         url: str,
         client_name: str,
         weights_keep: int,
@@ -177,7 +177,7 @@ class RunWeights:
         file_root: str | os.PathLike | None = None,
         credentials: Credentials = NO_CREDENTIALS,
     ) -> None:
-        self._js, self.names, self.url = js, names, url
+        self._js, self._nc, self.names, self.url = js, nc, names, url
         self.client_name, self.weights_keep = client_name, weights_keep
         self._announce = announce  # publishes an announcement (de-duplicated, retried)
         self.keys = keys  # None: unsigned weights (security.sign_weights: false)
@@ -339,13 +339,14 @@ class RunWeights:
 
     async def subscribe(
         self, cb: Callable[[WeightAnnouncement], Awaitable[None]]
-    ) -> BusSubscription:
-        """Deliver the latest trusted announcement now and every later trusted one (ordered
+    ) -> StreamFollower:
+        """Deliver the latest trusted announcement now and every later trusted one, each once
+        and in order (a `StreamFollower` from the stream's last message: direct gets, no
         consumer); an untrusted one is logged and skipped. When the stream's last message is
         not to be trusted, the first delivery is `latest()` instead (the newest that is)."""
         first = True
 
-        async def on_msg(msg: Msg) -> None:
+        async def on_msg(msg: StoredMsg) -> None:
             nonlocal first
             was_first, first = first, False
             try:
@@ -364,11 +365,9 @@ class RunWeights:
                 if ann is not None:
                     await cb(ann)
 
-        subject = self.names.subject(S.WEIGHTS)
-        sub = await self._js.subscribe(
-            subject, cb=on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
-        )
-        return BusSubscription(sub, subject)
+        subject, stream = self.names.subject(S.WEIGHTS), self.names.stream(S.WEIGHTS)
+        start = await last_seq(self._nc, stream, subject)
+        return await follow_stream(self._nc, stream, subject, on_msg, start_seq=start or 1)
 
     async def latest(self) -> WeightAnnouncement | None:
         """The trusted announcement of the highest version among the (at most `LATEST_SCAN`)

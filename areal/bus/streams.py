@@ -56,6 +56,7 @@ _STREAM_LIMITS = (
     "max_msgs_per_subject",
     "discard",
     "num_replicas",
+    "allow_direct",
 )
 _CONSUMER_LIMITS = ("ack_wait", "max_deliver", "max_ack_pending", "max_waiting", "num_replicas")
 _FIX = "choose another run id, or delete the old run's streams (`nats stream rm NAME`)"
@@ -82,6 +83,7 @@ def stream_config(names: RunNames, stream: str, nats: NatsSettings) -> StreamCon
         max_msg_size=MAX_PAYLOAD_BYTES,
         duplicate_window=nats.duplicate_window_s,
         num_replicas=nats.replicas,
+        allow_direct=True,  # readers follow by direct gets (`areal.bus.follow`), no consumer
     )
     if stream in S.WORK_QUEUE_STREAMS:
         return StreamConfig(
@@ -241,9 +243,13 @@ async def declare_run(js: JetStreamContext, names: RunNames, nats: NatsSettings)
             await declare_stream(js, cfg)
         for stream, ccfg in consumers.items():
             await declare_consumer(js, streams[stream].name, ccfg)
-        await js.create_key_value(
-            KeyValueConfig(bucket=names.state_bucket, history=1, replicas=nats.replicas)
-        )
+        if await _stream_config_of(js, f"KV_{names.state_bucket}") is None:
+            await js.create_key_value(
+                KeyValueConfig(
+                    bucket=names.state_bucket, history=1, replicas=nats.replicas, direct=True
+                )
+            )
+        await _allow_direct(js, f"KV_{names.state_bucket}")  # a bucket of an older version
         # last: its existence means the whole run is declared (`run_declared`)
         await js.create_object_store(
             names.weights_bucket, ObjectStoreConfig(replicas=nats.replicas)
@@ -252,6 +258,14 @@ async def declare_run(js: JetStreamContext, names: RunNames, nats: NatsSettings)
         if e.err_code in _NO_STORAGE:
             raise _storage_error(e, nats) from None
         raise
+
+
+async def _allow_direct(js: JetStreamContext, name: str) -> None:
+    """Turn on direct gets of an existing stream (watches read the run state by them)."""
+    cfg = await _stream_config_of(js, name)
+    if cfg is not None and not cfg.allow_direct:
+        cfg.allow_direct = True
+        await js.update_stream(cfg)
 
 
 async def run_declared(js: JetStreamContext, names: RunNames) -> bool:

@@ -4,8 +4,8 @@ Invariants (DESIGN section 3, "Tapping"):
 - nothing here consumes, acknowledges or delays a pipeline message: work-queue streams are
   watched with a plain core subscription on the subject (JetStream refuses a second consumer on
   a work queue) or peeked by sequence (`STREAM.MSG.GET` does not remove anything);
-- history on limits streams comes from ordered consumers (ephemeral, ack none, in memory),
-  opened again at once where they left off when the connection comes back (a restarted
+- history on limits streams is read by sequence with direct gets (`areal.bus.follow`), woken by
+  a core subscription and read again at once when the connection comes back (a restarted
   server, a failover), so a follow neither stalls, misses nor repeats a record;
 - an observer never declares streams or buckets: attaching to a run that does not exist is an
   error that names the fix, not a new empty run;
@@ -14,7 +14,7 @@ Invariants (DESIGN section 3, "Tapping"):
   naming the monitor credentials to pass), and `TapClient.lost` is set, with the reason, once
   its server has been gone for `reconnect_s`;
 - all it needs is the read-only monitor account of `areal.bus.nats_config` (it never publishes
-  to a run subject, never acks, never creates anything but ephemeral ordered consumers).
+  to a run subject, never acks, never creates anything on the server).
 The monitor package sees only `TapMessage` / `QueueStats`, never a `nats` object.
 """
 
@@ -32,12 +32,11 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 
 from areal.bus.auth import NO_CREDENTIALS, Credentials
 from areal.bus.connection import Patience, Reconnects, connect
-from areal.bus.events import RenewedSubscription, subscribe_ordered
+from areal.bus.follow import StoredMsg, StreamFollower, follow_stream
 from schemas import subjects as S
 from schemas.subjects import RunNames, run_of_stream
 
@@ -112,7 +111,7 @@ class TapClient:
         self._nc, self._js = nc, nc.jetstream()
         self.names = RunNames(run_id)
         self._subs: list[Any] = []
-        self._renewed: list[RenewedSubscription] = []  # ordered consumers (history follows)
+        self._followers: list[StreamFollower] = []  # history follows
         self.lost = lost or LostServer()
         if reconnects is not None:
             reconnects.listen(self._on_reconnect)
@@ -218,58 +217,48 @@ class TapClient:
     async def _follow_ordered(
         self, stream: str, subject: str, cb: OnMessage, history: int, since_s: float | None
     ) -> None:
+        """History, then live, through a `StreamFollower` (direct gets: the monitor account may
+        create no consumer)."""
         stream_name = self.names.stream(stream)
         whole_stream = subject == self.subject(stream)
-        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
-        skip_until = 0  # filtered last-N: skip while more than N matching messages follow
+        start_seq, start_time = 1, None
+        skip_until = 0  # filtered last-N: skip while N or more matching messages follow
         if since_s is not None:
-            start = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=since_s)
-            cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start)
-        elif history == 1:
-            cfg = ConsumerConfig(deliver_policy=DeliverPolicy.LAST)
+            start_time = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=since_s)
         elif history > 0 and whole_stream:
             last = (await self._js.stream_info(stream_name)).state.last_seq
-            cfg = ConsumerConfig(
-                deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                opt_start_seq=max(1, last - history + 1),
-            )
+            start_seq = max(1, last - history + 1)
         elif history > 0:
             skip_until = history
 
-        async def on_msg(msg: Msg) -> None:
+        async def on_msg(msg: StoredMsg) -> None:
             nonlocal skip_until
-            md = msg.metadata
             if skip_until:
-                if md.num_pending >= skip_until:
+                if msg.pending >= skip_until:
                     return
-                # past the skipped part (num_pending grows again as new messages are stored;
-                # a renewed consumer starts after the last delivered one)
-                skip_until = 0
-            headers = msg.headers or {}
+                skip_until = 0  # past the skipped part
             await cb(
                 TapMessage(
                     msg.subject,
                     msg.data,
-                    headers.get("Nats-Msg-Id"),
+                    msg.msg_id,
                     time.time(),
-                    md.sequence.stream,
-                    _ts(md.timestamp),
-                    replayed=md.num_pending > 0,
+                    msg.seq,
+                    msg.stored_at,
+                    replayed=msg.pending > 0,
                 )
             )
 
-        sub = await subscribe_ordered(
-            self._js, subject, on_msg, cfg, stream=stream_name, pending_bytes_limit=_PENDING_BYTES
+        sub = await follow_stream(
+            self._nc, stream_name, subject, on_msg, start_seq=start_seq, start_time=start_time
         )
         self._subs.append(sub)
-        self._renewed.append(sub)
+        self._followers.append(sub)
 
     def _on_reconnect(self) -> None:
         """The connection is back, maybe on a restarted server or another node of a cluster:
-        the ordered consumers went with the old one, and nats-py would make them again only
-        after two missed 5 s heartbeats (`areal top` stood still that long). Open them again
-        now, each where it left off."""
-        for sub in self._renewed:
+        the followers read again now (what was stored meanwhile rang no doorbell here)."""
+        for sub in self._followers:
             sub.renew_soon()
 
     # ------------------------------------------------------------------ snapshots

@@ -61,6 +61,7 @@ from areal.bus.nats_config import authorization_block, ensure_accounts
 from areal.bus.streams import StorageLimitError
 from areal.config import ConfigError, RunSettings
 from areal.launch import run_dir
+from areal.launch.declare import declare_run_now
 from areal.launch.join import public_url_of, share_run
 from areal.launch.preflight import check_run
 from areal.launch.worker import EXIT_BUS_UNAVAILABLE, EXIT_CONFIG, resolve_model_path
@@ -256,6 +257,7 @@ class Launcher:
             # on this host checks for it (`join._check_weights_dir`)
             self.s.weights.dir = str(Path(weights_dir).resolve())
             Path(self.s.weights.dir).mkdir(parents=True, exist_ok=True)
+        declare_run_now(self.s)  # as the launcher: workers with accounts may not declare
         join_hint = share_run(self.s, public_url)
         if join_hint and not self.quiet:
             print(join_hint, file=sys.stderr)

@@ -14,9 +14,15 @@ trainer its signing key, a rollout worker the verify key; without them (and with
 `security.sign_weights` on) it exits with `EXIT_CONFIG` naming `security.keys_dir` and the fix.
 
 It connects with its role's NATS credentials (`areal.bus.auth.credentials_for`: a missing file
-fails before prepare). Only the controller and the trainer declare the run's streams
-(`nats_config.DECLARERS`); rollout and reward wait for them (`Bus.wait_declared`). A server that
-refuses the credentials, or refuses the account something its role does, is an `EXIT_CONFIG`.
+fails before prepare). With per-role accounts no worker declares the run's streams: the
+launcher did (`nats_config.DECLARERS`; `areal declare` where no launcher runs) and every worker
+waits for them (`Bus.wait_declared`); without accounts the controller and the trainer declare
+them (`nats_config.SELF_DECLARERS`). A server that refuses the credentials, or refuses the
+account something its role does, is an `EXIT_CONFIG`.
+
+A `run_finished` event stops a worker only when the trainer signed it with the run's key
+(`Bus.trusted_event`); where the worker holds no run keys (a run without them) any
+`run_finished` on the run's subject does.
 
 Exit codes: 0 stopped or the run is finished; `EXIT_CONFIG` (2) a deterministic failure (a
 config error, a missing dependency: the role's `preflight` checks, or a `ConfigError` /
@@ -49,7 +55,7 @@ from areal.bus.errors import (
     PermissionDenied,
     RunConflictError,
 )
-from areal.bus.nats_config import DECLARERS
+from areal.bus.nats_config import SELF_DECLARERS
 from areal.bus.role_lock import RoleLock, RoleLockHeld, RoleLockLost
 from areal.bus.streams import StorageLimitError
 from areal.config import ConfigError, RunSettings, load_settings, new_worker_id
@@ -64,6 +70,7 @@ log = structlog.get_logger()
 P = TypeVar("P")
 Role = Literal["controller", "rollout", "reward", "trainer"]
 PREPARE_REPORT_S = 30.0
+STOPPED_EVENT_WAIT_S = 2.0  # the most a stop waits to say so on the bus
 EXIT_CONFIG = 2  # a deterministic failure: do not restart
 EXIT_BUS_UNAVAILABLE = 3  # the NATS server stayed away past nats.outage_tolerance_s
 SINGLE_ROLES = ("controller", "trainer")  # one per run: they hold a RoleLock while serving
@@ -305,6 +312,8 @@ async def _run(
     spec: RoleSpec[P], settings: RunSettings, worker_id: str, parts: P, keys: RunKeys | None
 ) -> int:
     assert settings.nats.url is not None
+    # with per-role accounts the launcher declared the run; without, two roles declare it
+    declare = spec.role in SELF_DECLARERS and not credentials_for(settings.nats, spec.role).given
     try:
         bus = await Bus.connect(
             settings.nats.url,
@@ -315,7 +324,7 @@ async def _run(
             keys=keys,
             sign_weights=settings.security.sign_weights,
             weights_dir=settings.weights.file_dir(settings.out_dir),
-            declare=spec.role in DECLARERS,  # the others may not create streams: they wait
+            declare=declare,  # the others may not create streams: they wait
         )
     # the same on every retry: do not (a refused account included: its file or permissions
     # are wrong, a restart cannot fix them)
@@ -327,9 +336,14 @@ async def _run(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    async def on_finished(_ev: Event) -> None:
-        if spec.role != "trainer":
-            stop.set()
+    async def on_finished(ev: Event) -> None:
+        if spec.role == "trainer":
+            return
+        why = bus.event_rejection(ev)
+        if why is not None:
+            log.error("run_finished_refused", reason=why, worker_id=ev.worker_id)
+            return
+        stop.set()
 
     sub = await bus.subscribe_events("run_finished", on_finished)
     rc = 0
@@ -339,7 +353,7 @@ async def _run(
         else None
     )
     try:
-        if spec.role not in DECLARERS and not await bus.wait_declared(stop):
+        if not declare and not await bus.wait_declared(stop):
             pass  # stopped before the run's streams existed
         elif lock is not None and not await lock.acquire(stop):
             pass  # stopped while waiting out a dead holder
@@ -372,6 +386,11 @@ async def _run(
     finally:
         with contextlib.suppress(Exception):  # best effort: the connection is closing anyway
             await sub.unsubscribe()
+        # a watchdog then takes the silence that follows for a stop, not a freeze
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                bus.event("worker_stopped", exit_code=rc, pid=os.getpid()), STOPPED_EVENT_WAIT_S
+            )
         await bus.close()
         log.info("worker_stopped", role=spec.role)
     return rc

@@ -54,7 +54,7 @@ import torch
 from areal.bus.client import Bus, Lease
 from areal.bus.codec import unpack
 from areal.bus.errors import WeightsRejected
-from areal.bus.events import RenewedSubscription
+from areal.bus.follow import StreamFollower
 from areal.core.scheduling import Joined, Request, Scheduler, SchedulerPolicy
 from areal.core.validate import Bounds, Verdict, check_task
 from areal.engines.base import GenOutput, GenRequest, InferenceEngine, SamplingParams, WeightUpdate
@@ -110,7 +110,7 @@ class RolloutService:
         self._tasks: dict[str, tuple[Task, float]] = {}  # task id -> (task, received at)
         self._finished: dict[str, dict[int, Sample]] = {}  # task id -> its finished samples
         self._weights_changed = asyncio.Event()
-        self._weights_sub: RenewedSubscription | None = None  # while `run` runs
+        self._weights_sub: StreamFollower | None = None  # while `run` runs
         self._fetching: set[int] = set()  # versions being downloaded (guarded by _lock)
         self._to_fetch: WeightAnnouncement | None = None  # the newest not yet taken up
         self._fetcher: asyncio.Future[None] | None = None  # the task fetching (`on_weights`)

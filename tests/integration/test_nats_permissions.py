@@ -8,7 +8,6 @@ service does; each refusal is the server's, reported as `PermissionDenied` /
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -89,12 +88,15 @@ async def consume_one(bus: Bus, stream: str, cls, *, ack: bool = True):
 async def test_each_role_does_its_job_through_its_own_account(secure, run_id, tmp_path):
     server, creds = secure
     url = server.url
-    # rollout and reward may not declare: they wait for the controller to
+    # no worker may declare: they wait for the launcher to
     rollout = await bus_of(url, run_id, "rollout", creds, declare=False)
     waiting = asyncio.ensure_future(rollout.wait_declared(asyncio.Event(), report_s=1.0))
-    controller = await bus_of(url, run_id, "controller", creds)  # declares the run
+    launcher = await bus_of(url, run_id, "launcher", creds)  # declares the run
     assert await asyncio.wait_for(waiting, GUARD_S)
-    trainer = await bus_of(url, run_id, "trainer", creds)  # declares too: finds it declared
+    await launcher.declare()  # again (a resumed run): finds it declared, changes nothing
+    await launcher.close()
+    controller = await bus_of(url, run_id, "controller", creds, declare=False)
+    trainer = await bus_of(url, run_id, "trainer", creds, declare=False)
     reward = await bus_of(url, run_id, "reward", creds, declare=False)
     assert await reward.wait_declared(asyncio.Event())
 
@@ -191,9 +193,15 @@ async def test_each_role_does_its_job_through_its_own_account(secure, run_id, tm
     assert (where / "config.json").read_bytes() == b"{}"
 
 
+async def declared(url: str, run_id: str, creds) -> None:
+    """The run declared by its launcher (what `areal run` does before any worker starts)."""
+    await (await bus_of(url, run_id, "launcher", creds)).close()
+
+
 async def test_roles_are_refused_what_is_not_theirs(secure, run_id):
     server, creds = secure
-    trainer = await bus_of(server.url, run_id, "trainer", creds)  # declares the run
+    await declared(server.url, run_id, creds)
+    trainer = await bus_of(server.url, run_id, "trainer", creds, declare=False)
     rollout = await bus_of(server.url, run_id, "rollout", creds, declare=False)
     reward = await bus_of(server.url, run_id, "reward", creds, declare=False)
     ann = WeightAnnouncement(version=9, uri="nats-obj://x/v9", sha256="0" * 64, bytes=1)
@@ -214,8 +222,9 @@ async def test_roles_are_refused_what_is_not_theirs(secure, run_id):
             await reward.publish(S.TRAJECTORIES, make_sample())
         with pytest.raises(PermissionDenied, match=r"\.metrics\.trainer"):
             await reward.publish(S.METRICS, make_task(), "trainer", "step")  # not its metrics
-        with pytest.raises(PermissionDenied, match=r"(?i)\$JS\.API\."):
-            await rollout.declare()  # may not create or change the run's streams
+        for bus in (rollout, trainer, reward):  # no worker may create or change a stream
+            with pytest.raises(PermissionDenied, match=r"(?i)\$JS\.API\."):
+                await bus.declare()
         # the refusals changed nothing
         assert await trainer.kv_get(TRAINER_KEY, TrainerState) is None
         assert await trainer.latest_weights() is None
@@ -236,7 +245,8 @@ async def refused(nc, denials: Denials, subject: str, data: bytes = b"x") -> Non
 
 async def test_the_monitor_reads_but_cannot_publish_anything(secure, run_id):
     server, creds = secure
-    trainer = await bus_of(server.url, run_id, "trainer", creds)
+    await declared(server.url, run_id, creds)
+    trainer = await bus_of(server.url, run_id, "trainer", creds, declare=False)
     reward = await bus_of(server.url, run_id, "reward", creds, declare=False)
     await reward.publish(S.REWARDS, ScoredSample(sample=make_sample(), reward=0.5))
     await reward.close()
@@ -258,16 +268,11 @@ async def test_the_monitor_reads_but_cannot_publish_anything(secure, run_id):
             f"$JS.API.STREAM.CREATE.{names.stream(S.PROMPTS)}",
             f"$JS.API.CONSUMER.MSG.NEXT.{names.stream(S.REWARDS)}.trainer",  # would consume
             f"$JS.API.CONSUMER.DURABLE.CREATE.{names.stream(S.METRICS)}.mine",
+            f"$JS.API.CONSUMER.CREATE.{names.stream(S.METRICS)}",  # no consumer at all
             f"$JS.API.CONSUMER.DELETE.{names.stream(S.REWARDS)}.trainer",
             f"$JS.ACK.{names.stream(S.REWARDS)}.trainer.1.1.1.1.0",
         ):
             await refused(nc, denials, subject)
-        # the one consumer create it may send makes ephemeral consumers only (limits streams)
-        body = {"stream_name": names.stream(S.METRICS), "config": {"durable_name": "mine"}}
-        msg = await nc.request(
-            f"$JS.API.CONSUMER.CREATE.{names.stream(S.METRICS)}", json.dumps(body).encode(), 10
-        )
-        assert json.loads(msg.data)["error"]["err_code"] == 10020  # "expected to be ephemeral"
         # reading another account's replies is refused too (every inbox has its owner)
         sub_refused = asyncio.Event()
         denials.listen(lambda op, _s: sub_refused.set() if op == "subscription" else None)
@@ -301,12 +306,18 @@ async def test_accounts_of_one_run_are_refused_another_runs_subjects(tmp_path):
     with EmbeddedNats(
         store_dir=tmp_path / "nats", authorization=authorization_block(accounts)
     ) as server:
+        a_launcher = load_credentials(keys / "run-a" / "launcher.json")
         a_ctl = load_credentials(keys / "run-a" / "controller.json")
-        bus = await Bus.connect(server.url, "run-a", "controller", "c-0", credentials=a_ctl)
+        await (
+            await Bus.connect(server.url, "run-a", "launcher", "l", credentials=a_launcher)
+        ).close()
+        bus = await Bus.connect(
+            server.url, "run-a", "controller", "c-0", credentials=a_ctl, declare=False
+        )
         try:
             await bus.publish(S.PROMPTS, make_task())
-            with pytest.raises(PermissionDenied, match="run-b"):
-                await Bus.connect(server.url, "run-b", "controller", "c-1", credentials=a_ctl)
+            with pytest.raises(PermissionDenied, match="run-b"):  # not even run-a's launcher
+                await Bus.connect(server.url, "run-b", "launcher", "l-1", credentials=a_launcher)
         finally:
             await bus.close()
 
@@ -349,7 +360,8 @@ async def test_the_generated_config_file_starts_a_server_with_tls(tmp_path, run_
         assert proc.poll() is None, log.read_text()
         nats = NatsSettings(credentials_dir=str(tmp_path / "cfg"), tls_ca_file=str(pair[0]))
         url = f"tls://127.0.0.1:{port}"
-        bus = await Bus.connect(url, run_id, "controller", "c-0", nats)  # declares, over TLS
+        await (await Bus.connect(url, run_id, "launcher", "l", nats)).close()  # declares, over TLS
+        bus = await Bus.connect(url, run_id, "controller", "c-0", nats, declare=False)
         await bus.publish(S.PROMPTS, make_task())
         assert await bus.stream_depth(S.PROMPTS) == 1
         await bus.close()

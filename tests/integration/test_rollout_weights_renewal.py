@@ -1,8 +1,7 @@
-"""A renewal of the weights subscription (every reconnect of the bus's connection, and
-`_announcement_missed`) unsubscribes the old nats subscription, which cancels the callback under
-way. The rollout's fetch of a version runs in a task of its own, so the download goes on: the
-version is fetched and decoded once, and the new subscription's first delivery of the same
-version is not fetched again."""
+"""A reconnect of the bus's connection (or `_announcement_missed`) makes the weights follower
+read again while the rollout's callback for a version is still busy fetching it: the version is
+fetched and decoded once (the follower never repeats an announcement, and the rollout's fetch
+runs in a task of its own)."""
 
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ async def test_a_renewal_does_not_throw_away_the_fetch_under_way(nats_url, run_i
         await trainer.put_weights(1, b"x" * 64, "float32", step=1)
         await asyncio.to_thread(entered.wait, 30)
         rollout._on_reconnect()  # what the connection's reconnect callback calls
-        await wait_until(lambda: sub.renewals == 1)
-        await asyncio.sleep(1.0)  # the new subscription's first delivery (v1) is handled
+        await asyncio.sleep(1.0)  # a repeated delivery of v1 would be handled now
         gate.set()
         await asyncio.sleep(2.0)
         # v1 is stored, announced, and the stream's latest; it should be known to the rollout

@@ -27,6 +27,7 @@ from areal.bus.nats_config import (
     user_name,
 )
 from areal.config import NatsSettings
+from schemas import subjects as S
 from schemas.subjects import RunNames
 
 RUN = "exp-1"
@@ -56,6 +57,11 @@ def publishers(subject: str) -> set[str]:
         (f"$O.{N.files_bucket}.M.abc", {"launcher"}),
         (N.events_subject("run_finished"), {"trainer"}),  # it stops every worker
         (N.events_subject("step_skipped"), {"controller", "rollout", "reward", "trainer"}),
+        # the launcher's watchdog names frozen workers (`areal.launch.watchdog`)
+        (
+            N.events_subject("worker_frozen"),
+            {"controller", "rollout", "reward", "trainer", "launcher"},
+        ),
         (N.subject("metrics", "rollout", "heartbeat"), {"rollout"}),
         (N.subject("metrics", "trainer", "step"), {"trainer"}),
         (N.dlq_subject("prompts"), {"rollout"}),
@@ -86,12 +92,22 @@ def test_the_monitor_publishes_nothing_but_read_requests():
     assert all(s.startswith(("$JS.API.", "$JS.FC.")) for s in p.publish)
     writes = ("CREATE", "UPDATE", "DELETE", "PURGE", "MSG.NEXT", "DURABLE")
     for s in p.publish:
-        if s.startswith("$JS.API.CONSUMER.CREATE."):  # ephemeral ordered consumers only:
-            assert s.count(".") == 4  # the unnamed subject, on a limits stream, KV
-            assert not s.endswith(tuple(N.stream(w) for w in ("prompts", "trajectories")))
-        else:
-            assert not any(w in s for w in writes), s
+        assert not any(w in s for w in writes), s
     assert p.may_subscribe(N.subject("trajectories")) and p.may_subscribe(N.subject(">"))
+
+
+@pytest.mark.parametrize("role", [r for r in ROLES if r not in DECLARERS])
+def test_no_worker_or_monitor_creates_a_consumer_or_changes_a_stream(role):
+    """A consumer's creator names its deliver subject, and the server delivers there on its
+    behalf unchecked; a stream update can shrink a stage's queue. Only the launcher may."""
+    p = perms(role)
+    streams = [N.stream(s) for s in S.ALL_STREAMS] + [f"KV_{KV}", f"OBJ_{N.weights_bucket}"]
+    for stream in streams:
+        for api in ("CONSUMER.CREATE", "CONSUMER.DURABLE.CREATE", "STREAM.UPDATE"):
+            for tail in ("", ".evil", ".evil.x.>", ".trainer", ".rollout", ".reward"):
+                subject = f"$JS.API.{api}.{stream}{tail}"
+                assert not p.may_publish(subject), (role, subject)
+    assert not any(s.startswith("$JS.FC.") for s in p.publish)
 
 
 def test_every_account_reads_replies_only_under_its_own_inbox():
@@ -196,3 +212,12 @@ def test_the_servers_permission_errors_are_parsed():
         "_INBOX.>",
     )
     assert permission_violation("nats: timeout") is None
+
+
+def test_the_launcher_hears_every_roles_heartbeats_for_its_watchdog():
+    launcher = perms("launcher")
+    for role in ("controller", "rollout", "reward", "trainer"):
+        assert launcher.may_subscribe(N.subject("metrics", role, "heartbeat")), role
+    assert not launcher.may_subscribe(N.subject("metrics", "rollout", "eval"))
+    assert launcher.may_publish(N.events_subject("worker_recovered"))
+    assert not launcher.may_publish(N.events_subject("run_finished"))
