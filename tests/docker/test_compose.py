@@ -42,7 +42,15 @@ def compose(path: Path = COMPOSE) -> dict:
 
 def test_compose_builds_one_image_and_publishes_no_port():
     services = compose()["services"]
-    assert set(services) == {"setup", "nats", "controller", "trainer", "rollout", "reward"}
+    assert set(services) == {
+        "setup",
+        "nats",
+        "declare",
+        "controller",
+        "trainer",
+        "rollout",
+        "reward",
+    }
     assert [n for n, s in services.items() if "build" in s] == ["setup"]
     image = services["setup"]["image"]
     assert all(services[r]["image"] == image for r in WORKER_ROLES)
@@ -56,10 +64,12 @@ def test_compose_waits_for_setup_and_a_healthy_nats():
     services = compose()["services"]
     assert services["nats"]["depends_on"]["setup"]["condition"] == "service_completed_successfully"
     assert "js-enabled-only=true" in " ".join(services["nats"]["healthcheck"]["test"])
-    for role in WORKER_ROLES:
+    deps = services["declare"]["depends_on"]  # the launcher's account declares the run
+    assert deps["nats"]["condition"] == "service_healthy"
+    assert deps["setup"]["condition"] == "service_completed_successfully"
+    for role in WORKER_ROLES:  # no worker account may create streams: they wait for declare
         deps = services[role]["depends_on"]
-        assert deps["nats"]["condition"] == "service_healthy"
-        assert deps["setup"]["condition"] == "service_completed_successfully"
+        assert deps["declare"]["condition"] == "service_completed_successfully"
         assert "./runs:/app/runs" in services[role]["volumes"]  # outputs on the host
 
 
@@ -77,6 +87,8 @@ def test_every_command_is_a_real_subcommand_and_its_config_validates(monkeypatch
         assert cmd[:2] == ["worker", role]
         args = parse_args(role, cmd[2:])
         assert args.config == "/config/run.yaml"
+    declare = build_parser().parse_args(services["declare"]["command"])
+    assert declare.fn.__name__ == "cmd_declare" and declare.config == "/config/run.yaml"
     setup = services["setup"]["command"]
     args = build_parser().parse_args(setup)
     assert args.fn.__name__ == "cmd_prepare"
