@@ -12,6 +12,16 @@ Invariants:
   answer is at the end): sympy on a huge input can hang in C code, where no alarm reaches.
 - The gold answer may be plain (`72`, `\\frac{1}{2}`, `x^2+1`) or a solution: its last
   `#### x` (GSM8K), else its last `\\boxed{x}`, is the answer.
+- A hedge scores 0.0 before any route (route `rejected`, `hedge`): against a gold that is one
+  number, every value the stated answer (the last box's content, else the line after the last
+  `####` / `answer is`) gives must be that one value. Its parts are split at `=`, `\\equiv`,
+  `\\Rightarrow`, `\\to`, `\\lor`, `\\mid`, `\\\\`, `~`, wide spaces, the word `or` and its words
+  (`\\text{...}`, whose numbers are parts too); parts that are numbers must be equal (exactly,
+  else by math-verify), names are skipped. So `\\boxed{2+2 = 6}`, `\\boxed{1 = 2 = 6}` and
+  `\\boxed{6 \\text{ apples, or 7}}` score 0.0 where math-verify alone read one part (the last of
+  a chain, the number before the words), while `\\boxed{x = 6}`, `\\boxed{2+4=6}` and
+  `\\boxed{6 \\text{ apples}}` keep 1.0. `\\approx` is no join (`2\\pi \\approx 6.28`); against
+  a list, an equation or an expression gold (`(x+1)^2`) the parts are math-verify's to judge.
 - Route, first match wins. (1) exact: when the completion states an anchored answer (the last
   `\\boxed{}`, `#### x`, `answer is x` / `answer: x`) that equals the gold as an exact rational or
   as normalised text, 1.0; when both are exact numbers and neither has a `%`, 0.0. (2)
@@ -50,6 +60,7 @@ log = structlog.get_logger()
 
 MAX_TEXT_CHARS = 20_000  # tail of the completion / answer that is read
 MAX_BRACE_DEPTH = 10  # deeper `{` nesting is rejected: math-verify's parse is exponential in it
+MAX_PARTS = 16  # values an answer may join (`x = 2+4 = 6` joins 3) against a one-number gold
 # Thousands commas only in groups of three (`1,000`, `12,345.5`): `1,2` is a list, not 12.
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+"
 _NUMBER_RE = re.compile(_NUMBER)
@@ -94,18 +105,26 @@ def _clean_tail(value: str) -> str:
     return value
 
 
-def _anchored_answer(text: str) -> str | None:
-    """The answer `text` states explicitly: last box, else last `####`, else last `answer is`."""
+def _stated_answer(text: str) -> tuple[str, bool] | None:
+    """The answer `text` states explicitly, as written, and whether it is a box: the last box's
+    content, else the rest of the line after the last `####`, else after the last `answer is`."""
     boxed = _last_boxed(text)
     if boxed:
-        return boxed
-    hashes = _HASHES_RE.findall(text)
-    if hashes and hashes[-1].strip():
-        return _clean_tail(hashes[-1])
-    answers = _ANSWER_RE.findall(text)
-    if answers and answers[-1].strip():
-        return _clean_tail(answers[-1])
+        return boxed, True
+    for found in (_HASHES_RE.findall(text), _ANSWER_RE.findall(text)):
+        if found and found[-1].strip():
+            return found[-1].strip(), False
     return None
+
+
+def _anchored_answer(text: str) -> str | None:
+    """The answer `text` states explicitly: last box, else last `####`, else last `answer is`
+    (of these two, the number of the line, see `_clean_tail`)."""
+    stated = _stated_answer(text)
+    if stated is None:
+        return None
+    answer, boxed = stated
+    return answer if boxed else _clean_tail(answer)
 
 
 def extract_answer(text: str) -> str | None:
@@ -244,6 +263,114 @@ def _mv_equal(mv: ModuleType, prediction: str, gold: str, *, latex_only: bool = 
     return bool(mv.verify(list(gold_parsed), pred_parsed, timeout_seconds=None))
 
 
+# --- hedges: an answer that states two different values -----------------------------------------
+
+# Words in an answer (`\text{ apples}`) and a unit's exponent after them (`\text{m}^2`).
+_WORDS_RE = re.compile(
+    r"\\(?:text|textbf|textit|textrm|mathrm|mbox|operatorname)\s*\{([^{}]*)\}"
+    r"(?:\s*[_^]\s*(?:\{[^{}]*\}|\w))?"
+)
+# What joins two values that math-verify reads only one of: an equation chain (`2+2 = 6` reads
+# 6), an equivalence or implication, an `or`, a line break, a wide space. `<=`, `>=`, `!=`, `:=`
+# are matched first and kept.
+_JOINS_RE = re.compile(
+    r"<=|>=|!=|:=|(=|\\(?:equiv|Rightarrow|implies|to|lor|vee|mid|quad|qquad)(?![A-Za-z])"
+    r"|\\hspace\*?\{[^{}]*\}|\\\\|~|\bor\b)"
+)
+_NUMBER_WITH_UNIT_RE = re.compile(rf"\s*({_NUMBER})\s*[A-Za-z][A-Za-z .]*")  # "6 apples"
+_BRACKETS = {")": "(", "]": "["}
+
+
+def _parts(stated: str) -> list[str]:
+    """The values `stated` joins: the pieces between its joins and its words (brackets left
+    open by a cut and list commas at the ends removed), then each number written in its words."""
+    in_words: list[str] = []
+
+    def words(match: re.Match[str]) -> str:
+        in_words.extend(n.strip() for n in _NUMBER_RE.findall(match.group(1)))
+        return "\0"
+
+    text = re.sub(r"\\(?:left|right)(?![A-Za-z])", "", stated)
+    text = _WORDS_RE.sub(words, text)
+    text = _JOINS_RE.sub(lambda m: "\0" if m.group(1) else m.group(0), text)
+    text = re.sub(r"\\[,;:! ]", " ", text)  # thin spaces: `6 \;`, `1\,000`
+    pieces = [_close(piece).strip(" ,;") for piece in text.split("\0")]  # `6 apples, 7 pears`
+    return [piece for piece in pieces if piece] + in_words
+
+
+def _close(piece: str) -> str:
+    """`piece` without the brackets a cut left unmatched (`6 (` and `7)` of `6 (or 7)`)."""
+    out, opened = list(piece), []
+    for i, char in enumerate(piece):
+        if char in "([":
+            opened.append(i)
+        elif char in _BRACKETS:
+            if opened and piece[opened[-1]] == _BRACKETS[char]:
+                opened.pop()
+            else:
+                out[i] = ""
+    for i in opened:
+        out[i] = ""
+    return "".join(out)
+
+
+def _part_value(mv: ModuleType | None, part: str) -> Fraction | list[Any] | None:
+    """The value of a part: an exact number (`6`, `6 apples`), else math-verify's parse when
+    it is a number (`2+2`, `\\sqrt{2}`), else None (a name such as `x`, `f(2)`, or words)."""
+    number = parse_number(part)
+    if number is None and (unit := _NUMBER_WITH_UNIT_RE.fullmatch(part)):
+        number = parse_number(unit.group(1))
+    if number is not None or mv is None or brace_depth(part) > MAX_BRACE_DEPTH:
+        return number
+    parsed = mv.parse(f"${part}$", [mv.LatexExtractionConfig()], parsing_timeout=None)
+    return parsed if parsed and getattr(parsed[0], "is_number", False) is True else None
+
+
+def _same_value(mv: ModuleType | None, a: Fraction | list[Any], b: Fraction | list[Any]) -> bool:
+    if isinstance(a, Fraction) and isinstance(b, Fraction):
+        return a == b
+    if mv is None:
+        return True  # cannot tell: not refused
+    a_parsed = a if isinstance(a, list) else mv.parse(f"${a}$", [mv.LatexExtractionConfig()])
+    b_parsed = b if isinstance(b, list) else mv.parse(f"${b}$", [mv.LatexExtractionConfig()])
+    return bool(mv.verify(a_parsed, b_parsed, timeout_seconds=None))
+
+
+def _is_one_value(mv: ModuleType | None, gold: str) -> bool:
+    """Whether the gold is one number (`6`, `\\frac{1}{2}`, `2\\sqrt{2}`), not a set, an
+    interval, an equation or an expression in a variable."""
+    if parse_number(gold) is not None:
+        return True
+    parsed = _parse_gold(mv, gold) if mv is not None else ()
+    return len(parsed) > 0 and getattr(parsed[0], "is_number", False) is True
+
+
+def hedge(stated: str, gold: str) -> str | None:
+    """Why the answer `stated` (as written) is refused against `gold`, or None: against a gold
+    that is one number (and states it alone), every value the answer states must be that one.
+    An equation chain whose parts disagree (`2+2 = 6`, `1 = 2 = 6`), two values joined by `or`,
+    an implication or a line break (`6 \\lor 7`), words naming another number
+    (`6 \\text{ apples, or 7}`) are refused; a name on the left (`x = 6`), a unit
+    (`6 \\text{ apples}`) and a chain whose parts agree (`2+4=6`) are not."""
+    if not (_WORDS_RE.search(stated) or any(m.group(1) for m in _JOINS_RE.finditer(stated))):
+        return None
+    parts = _parts(stated)
+    if len(parts) < 2:
+        return None
+    mv = _math_verify()
+    if len(_parts(gold)) > 1 or not _is_one_value(mv, gold):
+        return None  # a gold that itself joins values (`2 \\text{ h } 30 \\text{ min}`): as before
+    if len(parts) > MAX_PARTS:  # each part is parsed: an answer is not a list of hundreds
+        return f"the answer joins {len(parts)} values (at most {MAX_PARTS})"
+    values = [(part, _part_value(mv, part)) for part in parts]
+    values = [(part, value) for part, value in values if value is not None]
+    for part, value in values[1:]:
+        first, first_value = values[0]
+        if not _same_value(mv, first_value, value):
+            return f"the answer states two values: {first[:50]!r} and {part[:50]!r}"
+    return None
+
+
 # --- the reward ----------------------------------------------------------------------------------
 
 Detail = dict[str, str | None]  # route, predicted, gold, error
@@ -258,6 +385,15 @@ def math_reward_detail(completion: str, answer: str) -> tuple[float, Detail]:
     if not text.strip() or not gold:
         return 0.0, detail
     anchored = _anchored_answer(text)
+    stated = _stated_answer(text)
+    try:
+        why = hedge(stated[0], gold) if stated is not None else None
+    except Exception as e:  # a math-verify / sympy bug on a part: this sample scores 0
+        why = f"{type(e).__name__}: {e}"[:500]
+        log.warning("math_verify_error", error=why, gold=gold[:200])
+    if why is not None:
+        detail.update(route="rejected", predicted=stated[0] if stated else None, error=why)
+        return 0.0, detail
     if anchored is not None:
         detail.update(route="exact", predicted=anchored)
         if numbers_equal(anchored, gold):

@@ -13,7 +13,14 @@ import asyncio
 import math_verify
 import pytest
 
-from areal.rewards.math import MAX_BRACE_DEPTH, brace_depth, math_reward, math_reward_detail
+from areal.rewards.math import (
+    MAX_BRACE_DEPTH,
+    MAX_PARTS,
+    brace_depth,
+    hedge,
+    math_reward,
+    math_reward_detail,
+)
 from areal.services.reward_pool import ScoringPool
 
 HUGE = "1" + "0" * 5000  # 10**5000: past Python's 4300-digit int parsing limit
@@ -114,6 +121,48 @@ CASES = [
     ("worked_then_result", "so 3+4 = 7", "7", 1.0),  # the last number is the answer
     ("unanchored_decimal", "so it is 0.5", "\\frac{1}{2}", 1.0),
     ("unanchored_latex", "we get $\\frac{1}{2}$", "\\frac12", 1.0),
+    # --- hedges: an answer that states two values scores 0.0 (math-verify alone reads one of
+    # them: the last of an equation chain, the value before the words), its honest forms 1.0 --
+    ("chain_parts_disagree", "\\boxed{2+2 = 6}", "6", 0.0),  # 4 and 6
+    ("chain_of_three_disagrees", "\\boxed{1 = 2 = 6}", "6", 0.0),
+    ("hedge_in_words", "\\boxed{6 \\text{ apples, or 7}}", "6", 0.0),
+    ("hedge_in_words_other_gold", "\\boxed{6 \\text{ apples, or 7}}", "7", 0.0),
+    ("hedge_in_parenthesised_words", "\\boxed{6 \\text{ (or 7)}}", "6", 0.0),
+    ("hedge_in_bold_words", "\\boxed{6 \\textbf{ or 7}}", "6", 0.0),
+    ("hedge_words_between", "\\boxed{6 \\; (\\text{or } 7)}", "7", 0.0),
+    ("hedge_two_units", "\\boxed{6 \\text{ apples}, 7 \\text{ pears}}", "6", 0.0),
+    ("hedge_lor", "\\boxed{6 \\lor 7}", "7", 0.0),  # math-verify read 7
+    ("hedge_line_break", "\\boxed{6 \\\\ 7}", "7", 0.0),
+    ("hedge_implication", "\\boxed{6 \\Rightarrow 7}", "7", 0.0),
+    ("hedge_tilde_space", "\\boxed{6 ~ 7}", "7", 0.0),
+    ("chain_reversed", "\\boxed{7 = 6}", "6", 0.0),
+    ("chain_after_a_name_disagrees", "\\boxed{x = 6 = 7}", "7", 0.0),
+    ("answer_is_or", "The answer is 6 or 7", "6", 0.0),  # the exact path read 6
+    ("answer_is_chain_disagrees", "The answer is 2+2 = 6", "6", 0.0),
+    ("hashes_chain_disagrees", "#### 2+2=6", "6", 0.0),
+    ("name_on_the_left", "\\boxed{x = 6}", "6", 1.0),
+    ("function_value_on_the_left", "\\boxed{f(2) = 6}", "6", 1.0),
+    ("segment_on_the_left", "\\boxed{AB = 6}", "6", 1.0),
+    ("chain_parts_agree", "\\boxed{2+4=6}", "6", 1.0),
+    ("chain_after_a_name_agrees", "\\boxed{x = 2 \\cdot 3 = 6}", "6", 1.0),
+    ("chain_exact_and_decimal", "\\boxed{\\frac{1}{2} = 0.5}", "\\frac12", 1.0),
+    ("chain_radicals_agree", "\\boxed{\\sqrt{8} = 2\\sqrt{2}}", "2\\sqrt2", 1.0),
+    ("unit_in_words", "\\boxed{6 \\text{ apples}}", "6", 1.0),
+    ("unit_with_exponent", "\\boxed{6 \\text{ m}^2}", "6", 1.0),
+    ("words_naming_the_same_number", "\\boxed{6 \\text{ (6 in all)}}", "6", 1.0),
+    ("answer_is_chain_agrees", "The answer is 3 + 3 = 6", "6", 1.0),
+    ("two_values_for_a_list_gold", "\\boxed{1 \\text{ and } 2}", "1, 2", 1.0),  # not a hedge
+    ("equation_gold", "\\boxed{y = 2x + 3}", "y = 2x+3", 1.0),
+    (
+        "gold_with_two_numbers_in_words",
+        "\\boxed{2 \\text{ h } 30 \\text{ min}}",
+        "2 \\text{ h } 30 \\text{ min}",
+        1.0,
+    ),
+    # limits: `\\approx` is an approximation, not a hedge (its first value counts), and a chain
+    # against an expression gold is math-verify's to judge
+    ("approximation_kept", "\\boxed{2\\pi \\approx 6.28}", "2\\pi", 1.0),
+    ("identity_against_an_expression", "\\boxed{x^2+2x+1 = (x+1)^2}", "(x+1)^2", 1.0),
 ]
 
 
@@ -131,6 +180,16 @@ def test_math_reward_table(completion: str, answer: str, expected: float):
 def test_the_table_ids_are_unique():
     names = [name for name, *_ in CASES]
     assert len(names) == len(set(names)) and len(names) >= 40
+
+
+def test_a_hedge_names_its_two_values():
+    reward, detail = math_reward_detail("\\boxed{6 \\text{ apples, or 7}}", "6")
+    assert (reward, detail["route"]) == (0.0, "rejected")
+    assert detail["error"] == "the answer states two values: '6' and '7'"
+    assert hedge("2+2 = 6", "6") == "the answer states two values: '2+2' and '6'"
+    assert hedge("x = 6", "6") is None and hedge("6", "6") is None
+    many = " = ".join(["6"] * (MAX_PARTS + 1))  # each part is parsed: a cap
+    assert hedge(many, "6") == f"the answer joins {MAX_PARTS + 1} values (at most {MAX_PARTS})"
 
 
 def test_brace_depth():
