@@ -1,0 +1,1 @@
+"""Rollout workflows: how one sample of a task becomes an episode (`api.py`)."""
