@@ -1,14 +1,20 @@
-"""Small pieces every service uses: heartbeats and a busy-time meter."""
+"""Small pieces every service uses: heartbeats and a busy-time meter.
+
+A heartbeat names its process (`pid`, `host`), so the watchdog that finds it silent
+(`areal.core.watchdog`) can say which process froze, on which host."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 from areal.bus.client import Bus
+from areal.core.watchdog import HEARTBEAT_S
 
 
 class BusyMeter:
@@ -34,11 +40,16 @@ class BusyMeter:
 
 
 async def heartbeat_loop(
-    bus: Bus, stats: Callable[[], dict[str, Any]], stop: asyncio.Event, period_s: float = 2.0
+    bus: Bus,
+    stats: Callable[[], dict[str, Any]],
+    stop: asyncio.Event,
+    period_s: float = HEARTBEAT_S,
 ) -> None:
-    """Publish `metrics.<role>.heartbeat` every period until stopped (for `areal top`)."""
+    """Publish `metrics.<role>.heartbeat` every period until stopped (for `areal top` and the
+    watchdog)."""
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
     while not stop.is_set():
         with contextlib.suppress(Exception):
-            await bus.metric("heartbeat", stats())
+            await bus.metric("heartbeat", {**stats(), **me})
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), period_s)
