@@ -15,10 +15,10 @@ Invariants:
   changes nothing they call. Without such a `def` line, the preamble is the prompt's leading
   import lines.
 - Reward 1.0 iff the sandbox's harness reports that the code and every test ran
-  (`areal/rewards/sandbox.py`): the exit status decides nothing, so exiting before the tests,
+  (`areal/sandbox/run.py`): the exit status decides nothing, so exiting before the tests,
   killing the harness or printing a success line scores 0. The tests compare plain data only
-  (`sandbox_harness`): an object whose `__eq__` always says yes, or a subclass of int, str,
-  list, ... returned by the code or compared by the tests scores 0.
+  (`areal/sandbox/harness.py`): an object whose `__eq__` always says yes, or a subclass of int,
+  str, list, ... returned by the code or compared by the tests scores 0.
 - `code_reward_detail` never raises for bad, hostile or hanging code: it returns the reward and
   `{"verdict", "reason", "isolation"}`. `code_reward` returns 0.0 for a wrong answer, an
   exception or a timeout, and raises `SandboxViolation` (an Exception, so the scoring API gives
@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from areal.rewards.sandbox import (
+from areal.sandbox import (
     DEFAULT_MEMORY_BYTES,
     DEFAULT_TIMEOUT_S,
     MAX_FILE_BYTES,
@@ -141,7 +141,7 @@ def run_code(
     preamble: str = "",
 ) -> CodeResult:
     """Run `preamble`, `program` (untrusted), then `tests` in the sandbox; passed iff the harness
-    reports that all of it ran (see `areal/rewards/sandbox.py`)."""
+    reports that all of it ran (see `areal/sandbox/run.py`)."""
     r = run_sandboxed(program, tests, preamble, timeout_s=timeout_s, memory_bytes=memory_bytes)
     return _code_result(r)
 

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from areal.rewards.code import code_reward
-from areal.rewards.sandbox import SandboxResult, run_sandboxed
+from areal.sandbox import SandboxResult, run_sandboxed
 
 ALWAYS_EQUAL = """
 class AlwaysEqual:

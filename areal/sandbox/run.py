@@ -5,7 +5,7 @@ forked copy of it that never execs: C enters the namespaces (or becomes a child 
 forks G and watches it. G execs `python -I -S -B` (no site, no user paths, an environment of
 PATH, LANG, HOME and TMPDIR only) and runs the trusted harness: the task's preamble, then the
 solution, then the tests, in one interpreter, then the verdict. This module is the supervisor
-and C; the harness, the code that runs inside G, is `areal/rewards/sandbox_harness.py`, which
+and C; the harness, the code that runs inside G, is `areal/sandbox/harness.py`, which
 states the invariants it keeps (the verdict record, the nonce's secrecy, the audit hook, what
 the tests see, what the containment costs honest code).
 
@@ -13,7 +13,7 @@ Invariants:
 - The verdict comes from the harness's own channel. The supervisor sends a fresh random nonce
   on G's stdin (a file read, then replaced by /dev/null, before any untrusted code) and passes
   an inherited pipe fd, where the harness writes `<nonce> <passed|failed|violation> <reason>`
-  once (when and how: `sandbox_harness`). Exactly one record must carry the nonce: an exit, a
+  once (when and how: `harness`). Exactly one record must carry the nonce: an exit, a
   signal or a killed harness leave none, printed success lines and bytes written to any fd lack
   the nonce, and a second record fails the run. The exit status decides nothing.
 - Limits, set by the harness before the preamble from the values this module sends: CPU seconds
@@ -34,13 +34,13 @@ Invariants:
   /proc, no /etc, no home, no other process, no network (a loopback that is down).
 - `hooks` (no namespaces allowed; warned once) keeps the same audit hook, limits, uid and
   subreaper, and the hook is then all the filesystem and network containment there is (what it
-  allows: `sandbox_harness`). As root with a Python other users cannot reach (under /root), the
+  allows: `harness`). As root with a Python other users cannot reach (under /root), the
   run keeps root's uid there (warned once), and root ignores RLIMIT_NPROC.
 - Verdicts: `passed`; `failed` (an exception in the solution or the tests, the CPU or memory
   limit, a value compared or returned to the tests that is not plain data); `timeout`;
   `violation` (something was refused, SystemExit or another BaseException escaped, or the
   program ended or died before the harness reported).
-- Not contained (the whole list, for this module and `sandbox_harness`; a Python-level filter is no
+- Not contained (the whole list, for this module and `harness`; a Python-level filter is no
   security boundary): a memory-safety bug of CPython reachable from pure Python lets a solution read
   the nonce and forge a pass, and in `hooks` mode get past every filter; so would a C extension that
   opens files itself (refused: `_posixshmem`, `_multiprocessing`, `_ssl`, `_dbm`, `_gdbm`, sqlite
@@ -75,7 +75,7 @@ from typing import Literal
 import structlog
 
 from areal.proc import die_with_parent
-from areal.rewards.sandbox_harness import BOOT, harness_code
+from areal.sandbox.harness import BOOT, harness_code
 
 log = structlog.get_logger()
 
@@ -233,7 +233,7 @@ def _probe(only: str | None = None) -> Isolation:
             why=why,
             fallback="audit hook, rlimits, subreaper, a per-run uid when root",
             not_contained="no network namespace: network, files and /proc are filtered only at "
-            "the Python level (C code and CPython bugs get past it); see areal/rewards/sandbox.py",
+            "the Python level (C code and CPython bugs get past it); see areal/sandbox/run.py",
         )
     return "hooks"
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from areal.rewards.code import SandboxViolation, code_reward, code_reward_detail
-from areal.rewards.sandbox import SandboxResult, own_uid_per_run, resolve_isolation, run_sandboxed
 from areal.rewards.scoring import score_items
+from areal.sandbox import SandboxResult, own_uid_per_run, resolve_isolation, run_sandboxed
 
 MODES = sorted({resolve_isolation("auto"), "hooks"})
 # RLIMIT_NPROC binds a run's own uid, or a non-root worker's; root ignores it (`hooks` as root
@@ -338,7 +338,7 @@ def test_proc_environ_of_the_worker_is_out_of_reach(tmp_path):
     # secret really is in /proc/<worker>/environ; the program looks there and everywhere else.
     script = textwrap.dedent(f"""
         import json, sys
-        from areal.rewards.sandbox import run_sandboxed
+        from areal.sandbox import run_sandboxed
         out = []
         for mode in {MODES!r}:
             r = run_sandboxed(sys.argv[1], "assert add(2, 3) == 5", isolation=mode)
@@ -485,7 +485,7 @@ def test_a_killed_worker_leaves_nothing_running(mode):
     os.chmod(parent, 0o755)  # a run's own uid must reach its work dir
     script = textwrap.dedent(f"""
         import sys, tempfile
-        from areal.rewards.sandbox import run_sandboxed
+        from areal.sandbox import run_sandboxed
         tempfile.tempdir = {parent!r}
         program = (
             "import os, time\\nfor _ in range(5):\\n    if os.fork() == 0:\\n"

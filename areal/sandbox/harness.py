@@ -1,7 +1,7 @@
 """The sandbox's harness: the trusted code that G (`python -I -S -B`) runs around the solution.
 
 The supervisor side (namespaces, subreaper, the process-tree kill, the job it sends, reading the
-verdict) and the invariants it keeps are `areal/rewards/sandbox.py`; its docstring also holds
+verdict) and the invariants it keeps are `areal/sandbox/run.py`; its docstring also holds
 the complete list of what the sandbox does not contain. This module holds the code that runs
 inside G: `BOOT` (G's `-c` program), `_harness_exposed`, `_harness_plain` and `_harness`.
 `harness_code()`, on the supervisor's side, compiles the three functions from this file's source
@@ -44,7 +44,7 @@ Invariants:
   solution leaves in the tests' globals, classes aside, returns such a copy to them. Anything
   else, an object whose `__eq__` always says yes, a subclass of int, str or list, a generator,
   is a refusal: the run fails (`not plain data: ...`), even when the tests catch the TypeError.
-- Limits: the harness sets the rlimits it is sent (see `sandbox.py`) before the preamble.
+- Limits: the harness sets the rlimits it is sent (see `run.py`) before the preamble.
 - The filesystem and network filter, all the containment there is in `hooks` mode: reads only from
   the standard library, the work dir and /dev/{null,zero,random,urandom}; writes only in the work
   dir and to those devices; no directory fds (a `dir_fd` would escape the path check), no chdir out
@@ -52,7 +52,7 @@ Invariants:
   functions (a `__fspath__` could answer twice, differently); no sockets or name lookups, no exec or
   spawn (fork is allowed: the child keeps the hook), no signals to other processes, no
   `resource.prlimit`.
-- Not contained: see the list in `sandbox.py` (a Python-level filter is no security boundary).
+- Not contained: see the list in `run.py` (a Python-level filter is no security boundary).
 - Costs of the containment to honest code: tracebacks cannot be walked (`traceback.print_exc`
   raises AttributeError; `traceback.clear_frames`, which unittest's assertRaises calls, is a
   no-op), no signal handlers, subprocesses, sockets or multiprocessing semaphores, and modules
