@@ -1,5 +1,10 @@
-"""Rollout: pulls tasks, generates G samples each, publishes each task's group once its last
-sample finishes (one `SampleGroup` message per task).
+"""Rollout: pulls tasks, runs G episodes each (the workflow's: `rollout.workflow`), publishes
+each task's group once its last episode finishes (one `SampleGroup` message per task).
+
+Each sample the scheduler starts is an episode on the event loop (`EpisodeHost`); its turns join
+the engine's running batch at token boundaries, so many episodes decode together and a tool
+wait frees the row. A workflow that raises costs only its own task (dead-lettered with the
+traceback, a rejection marker gives its slot back).
 
 The decisions are `areal.core.scheduling.Scheduler` (which requests join the running batch,
 when to switch weights, what a redelivery means); this shell fetches weights, runs the engine in
@@ -52,17 +57,20 @@ import structlog
 import torch
 
 from areal.bus.client import Bus, Lease
-from areal.bus.codec import unpack
 from areal.bus.errors import WeightsRejected
 from areal.bus.follow import StreamFollower
 from areal.core.scheduling import Joined, Request, Scheduler, SchedulerPolicy
 from areal.core.validate import Bounds, Verdict, check_task
-from areal.engines.base import GenOutput, GenRequest, InferenceEngine, SamplingParams, WeightUpdate
+from areal.engines.base import GenRequest, InferenceEngine, SamplingParams, WeightUpdate
 from areal.engines.weights_check import FrozenStateDict
 from areal.engines.weights_stream import MalformedWeights, SafetensorsSink
 from areal.services.common import BusyMeter, heartbeat_loop
+from areal.services.episodes import EpisodeHost
 from areal.services.evaluation import Evaluator
-from areal.services.samples import publish_group, rejection_marker, sample_of
+from areal.services.samples import publish_group, rejection_marker, sample_of_episode
+from areal.workflows.api import Episode, RolloutWorkflow
+from areal.workflows.context import WorkflowContext
+from areal.workflows.single_turn import SingleTurn
 from schemas import Sample, SampleGroup, Task, WeightAnnouncement
 from schemas import subjects as S
 from schemas.state import EvalClaim, eval_claim_key
@@ -74,6 +82,10 @@ StateDict = dict[str, torch.Tensor]
 HAND_BACK_DELAY_S = 1.0  # a task handed back (nak) is redelivered after this (the bus's too)
 LOAD_RETRY_S = 1.0  # pause after a failed weight load, doubled per failure in a row ...
 LOAD_RETRY_MAX_S = 30.0  # ... up to this
+
+
+def _no_encoder(text: str) -> list[int]:
+    raise RuntimeError("this rollout was built without a tokenizer's encoder")
 
 
 def _sample_group(samples: list[Sample]) -> SampleGroup:
@@ -93,6 +105,7 @@ class RolloutService:
         weights_from_bytes: Callable[[bytes], StateDict] | None = None,
         evaluator: Evaluator | None = None,
         bounds: Bounds | None = None,
+        workflow: RolloutWorkflow | None = None,
     ) -> None:
         self.bus, self.engine, self.decode_text, self.params = bus, engine, decode_text, params
         self.policy, self.max_concurrent_tasks = policy, max_concurrent_tasks
@@ -118,11 +131,20 @@ class RolloutService:
         self._switching: tuple[int, StateDict] | None = None
         self._load_failures = 0  # weight loads failed in a row (the retry pause doubles)
         self._queue_changed = asyncio.Event()
+        if workflow is None:
+            ctx = WorkflowContext(
+                decode=decode_text, encode=_no_encoder, max_new_tokens=params.max_new_tokens
+            )
+            workflow = SingleTurn(ctx)
+        self.host = EpisodeHost(
+            workflow, self._episode_done, self._episode_failed, self._queue_changed.set
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None  # while `run` runs
         self._publishes: set[asyncio.Task] = set()
         self.meter = BusyMeter()
         self.stats = dict.fromkeys(("samples", "tokens", "interrupts", "reprefill_tokens"), 0)
         self.stats |= {"weight_load_s": 0.0, "weight_loads": 0, "adopted_redeliveries": 0}
-        self.stats |= {"eval_rounds": 0, "rejected_tasks": 0}
+        self.stats |= {"eval_rounds": 0, "rejected_tasks": 0, "workflow_failures": 0}
 
     # ------------------------------------------------------------------ weights
     def _fetch_covers(self, version: int) -> bool:
@@ -253,15 +275,24 @@ class RolloutService:
         self._queue_changed.set()
 
     def _poll_requests(self) -> list[GenRequest]:
-        """Generating thread, at token boundaries."""
+        """Generating thread, at token boundaries: samples the scheduler starts begin their
+        episodes (on the loop), and the turns episodes have queued join the batch. Not
+        interruptible with an update pending, no turn joins either: the batch drains, then
+        the update is loaded between batches."""
         if self._eval_due() is not None:
             return []  # let the batch drain: the round runs between batches
         with self._lock:
             reqs = self.sched.take_requests(time.monotonic())
-            return [GenRequest(key=r.key, prompt_ids=self._prompt(r)) for r in reqs]
+            hold = not self.policy.interruptible and self.sched.pending is not None
+        assert self._loop is not None
+        for r in reqs:
+            self._loop.call_soon_threadsafe(self._start_episode, r)
+        return [] if hold else self.host.take_turns()
 
-    def _prompt(self, r: Request) -> list[int]:
-        return unpack(self._tasks[r.task_id][0].prompt_ids).tolist()
+    def _start_episode(self, r: Request) -> None:
+        entry = self._tasks.get(r.task_id)
+        if entry is not None:  # else its task failed meanwhile
+            self.host.start(r, entry[0])
 
     def _poll_weights(self) -> WeightUpdate | None:
         """Generating thread, at token boundaries (interruptible mode): the update the engine
@@ -320,21 +351,51 @@ class RolloutService:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), pause_s)
 
-    def _on_finished(self, loop: asyncio.AbstractEventLoop, out: GenOutput) -> None:
-        """Generating thread -> event loop: file the sample; a complete group goes out."""
-        if self.sched.policy.needed_first:  # only its hold reads which samples are generated
-            task_id, index = out.key.rsplit("/", 1)
-            with self._lock:
-                self.sched.sample_generated(task_id, int(index))
-        loop.call_soon_threadsafe(self._file_sample, out)
-
-    def _file_sample(self, out: GenOutput) -> None:
-        task_id, _ = out.key.rsplit("/", 1)
-        if task_id not in self._tasks:  # its task failed and was handed back
+    def _episode_done(self, r: Request, episode: Episode) -> None:
+        """Event loop: file the episode's sample; a complete group goes out."""
+        if r.task_id not in self._tasks:  # its task failed and was handed back
             return
-        task, received_at = self._tasks[task_id]
-        text = self.decode_text(out.output_ids)
-        sample = sample_of(task, out, text, worker_id=self.bus.worker_id, received_at=received_at)
+        if self.sched.policy.needed_first:  # only its hold reads which samples are generated
+            with self._lock:
+                self.sched.sample_generated(r.task_id, r.index)
+        task, received_at = self._tasks[r.task_id]
+        sample = sample_of_episode(
+            task, r.index, episode, worker_id=self.bus.worker_id, received_at=received_at
+        )
+        self._file_sample(sample)
+
+    async def _episode_failed(self, r: Request, trace: str) -> None:
+        """The workflow raised: its task is dead-lettered with the traceback and a rejection
+        marker retires it (its slot comes back); the other tasks go on."""
+        entry = self._tasks.get(r.task_id)
+        if entry is None:
+            return
+        task = entry[0]
+        self.stats["workflow_failures"] += 1
+        last = trace.strip().splitlines()[-1] if trace.strip() else "?"
+        log.error("workflow_failed", task_id=r.task_id, sample_idx=r.index, error=last)
+        self.host.cancel_task(r.task_id)
+        with self._lock:
+            leases = self.sched.task_failed(r.task_id)
+            self._tasks.pop(r.task_id, None)
+            self._finished.pop(r.task_id, None)
+        reason = f"workflow raised on sample {r.index}: {trace[-3000:]}"
+        g = self.bounds.group_size or task.group_size
+        marker = rejection_marker(task.task_id, task.seq, g, reason, worker_id=self.bus.worker_id)
+        try:
+            await self.bus.publish(S.TRAJECTORIES, SampleGroup(samples=[marker]))
+        except Exception as e:  # no marker, no dead letter: hand the task back instead
+            log.error("rejection_marker_failed", task_id=r.task_id, error=str(e))
+            for lease in leases:
+                await lease.nak(delay_s=HAND_BACK_DELAY_S)
+            return
+        self.stats["rejected_tasks"] += 1
+        for i, lease in enumerate(leases):  # redeliveries adopted here are the same message
+            await (lease.dead_letter(reason) if i == 0 else lease.ack())
+
+    def _file_sample(self, sample: Sample) -> None:
+        task_id = sample.task_id
+        task, _ = self._tasks[task_id]
         finished = self._finished.setdefault(task_id, {})
         finished[sample.sample_idx] = sample
         if len(finished) < task.group_size:
@@ -368,9 +429,12 @@ class RolloutService:
     async def _settle(self, decide: Callable[[str], list[Lease]], task_id: str, ack: bool) -> None:
         with self._lock:
             leases = decide(task_id)
-            if not self.sched.is_active(task_id):
+            inactive = not self.sched.is_active(task_id)
+            if inactive:
                 self._tasks.pop(task_id, None)
                 self._finished.pop(task_id, None)
+        if inactive:
+            self.host.cancel_task(task_id)
         for lease in leases:
             await (lease.ack() if ack else lease.nak(delay_s=HAND_BACK_DELAY_S))
 
@@ -404,16 +468,18 @@ class RolloutService:
 
     # ------------------------------------------------------------------ generation
     async def _generate_loop(self, stop: asyncio.Event) -> None:
-        loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
+        self.host.bind(self._loop)
         while not stop.is_set():
             rnd = self._eval_due()
             if rnd is not None:
                 await self._run_eval(rnd)
                 continue
+            self._queue_changed.clear()  # before the check: a turn queued after it wakes us
             with self._lock:
                 idle, needed = not self.sched.queue, self.sched.needed_version()
+            idle = idle and not self.host.has_turns()
             if idle:
-                self._queue_changed.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._queue_changed.wait(), 0.5)
                 continue
@@ -430,7 +496,7 @@ class RolloutService:
                     [],
                     params=self.params,
                     poll_weights=self._poll_weights if self.policy.interruptible else None,
-                    on_finished=lambda out: self._on_finished(loop, out),
+                    on_finished=self.host.turn_finished,
                     poll_requests=self._poll_requests,
                 )
             except Exception as e:  # engine failure: hand every task back (nak), keep running
@@ -438,6 +504,7 @@ class RolloutService:
                 error = e
                 with self._lock:
                     leases, self._tasks, self._finished = self.sched.fail_all(), {}, {}
+                self.host.cancel_all()
                 for lease in leases:
                     await lease.nak(delay_s=HAND_BACK_DELAY_S)
             finally:
@@ -451,6 +518,7 @@ class RolloutService:
             "busy_frac": self.meter.busy_frac(),
             "inflight_tasks": len(self.sched.tasks),
             "queued_seqs": len(self.sched.queue),
+            "episodes": self.host.active,
         }
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -471,6 +539,7 @@ class RolloutService:
         finally:
             gen.cancel()
             hb.cancel()
+            await self.host.close()
             await sub.unsubscribe()
             if self._fetcher is not None:
                 self._fetcher.cancel()

@@ -1,4 +1,4 @@
-"""A finished generation as the `Sample` the rollout publishes (in its task's group message), the
+"""A finished episode as the `Sample` the rollout publishes (in its task's group message), the
 rejection marker that stands in for a task a stage refused, and the publishing of a group in
 parts when it is too big for one message."""
 
@@ -12,32 +12,44 @@ from areal.bus.codec import pack
 from areal.bus.errors import MessageTooLarge
 from schemas import Message, Sample, Task
 
-if TYPE_CHECKING:  # the reward worker imports this module and needs no torch
-    from areal.engines.base import GenOutput
+if TYPE_CHECKING:
+    from areal.workflows.api import Episode
 
 T = TypeVar("T")
 
 
-def sample_of(
-    task: Task, out: GenOutput, text: str, *, worker_id: str, received_at: float
+def sample_of_episode(
+    task: Task, sample_idx: int, ep: Episode, *, worker_id: str, received_at: float
 ) -> Sample:
-    """Sample `out.key`'s index of `task`, with per-token log-probs and versions packed."""
+    """Sample `sample_idx` of `task` from its episode: the segments' tokens in order, with the
+    model tokens' behaviour log-probs and versions, and a loss mask when any token is the
+    environment's (None: every token is the model's, as in single-turn)."""
+    ids = [t for seg in ep.segments for t in seg.ids]
+    logp = [x for seg in ep.segments for x in seg.behav_logp]
+    versions = [v for seg in ep.segments for v in seg.versions]
+    mask = [1 if seg.trained else 0 for seg in ep.segments for _ in seg.ids]
+    errors = sum(1 for c in ep.tool_calls if c.error is not None)
     return Sample(
         task_id=task.task_id,
         task_seq=task.seq,
-        sample_idx=int(out.key.rsplit("/", 1)[1]),
+        sample_idx=sample_idx,
         group_size=task.group_size,
         prompt_ids=task.prompt_ids,
-        output_ids=pack(out.output_ids, "int32"),
-        behav_logp=pack(out.behav_logp, "float32"),
-        versions=pack(out.versions, "int32"),
-        output_text=text,
+        output_ids=pack(ids, "int32"),
+        behav_logp=pack(logp, "float32"),
+        versions=pack(versions, "int32"),
+        loss_mask=None if all(mask) else pack(mask, "uint8"),
+        output_text="".join(seg.text for seg in ep.segments),
         answer=task.answer,
         metadata=task.metadata,
-        finish_reason=out.finish_reason,
+        finish_reason=ep.finish_reason,
         worker_id=worker_id,
-        n_interrupts=out.n_interrupts,
-        n_reprefill_tokens=out.n_reprefill_tokens,
+        n_interrupts=ep.n_interrupts,
+        n_reprefill_tokens=ep.n_reprefill_tokens,
+        n_turns=ep.n_turns,
+        n_tool_calls=len(ep.tool_calls),
+        n_tool_errors=errors,
+        tool_s=sum(c.latency_s for c in ep.tool_calls),
         timings={
             "admitted_at": task.admitted_at,
             "received_at": received_at,

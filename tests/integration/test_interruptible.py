@@ -153,7 +153,8 @@ class RecordingEngine(TorchInferenceEngine):
         self.release = threading.Event()
 
     def _decode(self, batch, tokens):
-        self.steps.append({r.req.key for r in batch.rows})
+        # a row's key is its episode's turn: `<task>/<index>#<turn>`; record the sample
+        self.steps.append({r.req.key.split("#")[0] for r in batch.rows})
         if len(self.steps) == 5:
             assert self.release.wait(60), "the test never released the engine"
         return super()._decode(batch, tokens)
