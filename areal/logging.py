@@ -3,6 +3,7 @@
 Invariants:
 - The first `setup_logging` call of a process fixes the renderer and the level; later calls only
   bind more context (`role`, `worker_id`, ...).
+- Logging never raises for want of disk: a line the log file refuses is dropped and counted.
 - The level and format come from the caller (the settings' `log_level` / `log_format`, i.e.
   `AREAL_LOG_LEVEL` / `AREAL_LOG_FORMAT`); this module reads no environment variable. It only
   sets defaults for third-party libraries' variables (HF progress bars, tokenizers threads).
@@ -10,6 +11,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -25,13 +27,28 @@ _configured = False
 
 class _CurrentStderr:
     """Whatever `sys.stderr` is at the time of each write: a logger cached on first use keeps
-    working after `sys.stderr` is replaced (a redirect, a test's capture that has closed)."""
+    working after `sys.stderr` is replaced (a redirect, a test's capture that has closed).
+
+    A write the file refuses (`OSError`: the log's disk is full) drops the line instead of
+    raising into the code that logged, so a full disk costs log lines, never the worker; the
+    next line that gets through says how many were lost."""
+
+    def __init__(self) -> None:
+        self.dropped = 0
 
     def write(self, text: str) -> int:
-        return sys.stderr.write(text)
+        try:
+            if self.dropped:
+                sys.stderr.write(f"({self.dropped} log lines lost: the log could not be written)\n")
+                self.dropped = 0
+            return sys.stderr.write(text)
+        except OSError:
+            self.dropped += 1
+            return 0
 
     def flush(self) -> None:
-        sys.stderr.flush()
+        with contextlib.suppress(OSError):
+            sys.stderr.flush()
 
 
 _CURRENT_STDERR = _CurrentStderr()
