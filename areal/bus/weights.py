@@ -19,6 +19,8 @@ Streaming (a 1.5B model is 3 GiB in bf16): a blob is never whole in memory on ei
 
 Every transfer has a deadline that grows with its size, so a stuck transfer fails with a clear
 error instead of hanging the worker; the caller retries (rollout workers poll for the latest).
+A server whose store is full or failing makes `put` raise `ServerStorageError` (an `OSError`
+with ENOSPC or EIO), which the trainer's storage guard pauses on, as on a full local disk.
 An upload given up (its deadline, an error, the caller cancelled) purges the chunks it stored:
 no object names them, so nothing else would ever delete them (up to a whole blob each).
 """
@@ -38,14 +40,14 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import Header, ObjectInfo, ObjectMetaOptions
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import MSG_ROLLUP_SUBJECT
 from nats.nuid import NUID
 
 from areal.bus.auth import NO_CREDENTIALS, Credentials, Denials
 from areal.bus.blobs import CHUNK_BYTES, BytesBlob, BytesSink, WeightsBlob, WeightsSink
 from areal.bus.connection import connect
-from areal.bus.errors import WeightsRejected
+from areal.bus.errors import WeightsRejected, server_storage_error
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -204,6 +206,12 @@ class WeightsChannel:
         timeout_s = transfer_timeout_s(blob.nbytes)
         try:
             info = await asyncio.wait_for(self._store(name, blob), timeout_s)
+        except APIError as e:  # a full store answers 10047 or 10051 ("no space left on device")
+            what = f"storing weights {name} ({blob.nbytes} bytes) in bucket {self.bucket}"
+            full = server_storage_error(e.err_code, e.description, what)
+            if full is None:
+                raise
+            raise full from e
         except asyncio.TimeoutError:
             if self._denials.any():  # the server refused a chunk or the metadata: no outage
                 raise self._denials.error(self._denials.last()) from None
