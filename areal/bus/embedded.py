@@ -8,7 +8,8 @@ it; its config file is rewritten identically on a restart (same port, store and 
 is stopped by its own PID (never by name); it dies with the process that started it
 (PR_SET_PDEATHSIG on Linux), so it never outlives the launcher; it runs in a session of its own,
 so a terminal's Ctrl-C (SIGINT to the foreground process group) cannot stop it before the
-workers that still need it: its owner stops it last.
+workers that still need it: its owner stops it last. With a `monitor_port` its HTTP monitor
+listens on loopback only, for `store_write_error` (a stream that hit a disk error).
 
 `EmbeddedCluster`: three such servers routed into one JetStream cluster on loopback (for
 `nats.replicas` trials and tests; `python -m areal.bus.embedded --cluster 3`).
@@ -16,6 +17,7 @@ workers that still need it: its owner stops it last.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,6 +28,8 @@ import sys
 import sysconfig
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import structlog
@@ -100,6 +104,7 @@ class EmbeddedNats:
         host: str = LOOPBACK,
         authorization: str = "",
         cpus: frozenset[int] | None = None,
+        monitor_port: int | None = None,
     ) -> None:
         """`extra_conf`: more nats-server config lines (e.g. `ping_interval: "1s"`).
         `max_file_store_bytes`: the JetStream file-storage limit (`max_file_store`, inside the
@@ -107,7 +112,9 @@ class EmbeddedNats:
         `host`: the address to listen on (`0.0.0.0` = every interface).
         `authorization`: the server's users and their permissions
         (`nats_config.authorization_block`); empty = no authentication.
-        `cpus`: the cores the server runs on (None = wherever the OS puts it)."""
+        `cpus`: the cores the server runs on (None = wherever the OS puts it).
+        `monitor_port`: a loopback port for the server's HTTP monitor, which
+        `store_write_error` asks (None = no monitor)."""
         self._own_dir = store_dir is None
         self.extra_conf = extra_conf
         self.authorization = authorization
@@ -116,6 +123,7 @@ class EmbeddedNats:
         self.host = host
         self.port = port or free_port(host)
         self.cpus = cpus
+        self.monitor_port = monitor_port
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -157,6 +165,9 @@ class EmbeddedNats:
         with os.fdopen(fd, "w") as f:
             f.write(text + self.extra_conf)
         os.chmod(conf, 0o600)
+        if self.monitor_port is not None:  # loopback only: read-only, but not for the network
+            with open(conf, "a") as f:
+                f.write(f"\nhttp: {json.dumps(_hostport(LOOPBACK, self.monitor_port))}\n")
         # append: a restart (the launcher's, after the server died) keeps the earlier log
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
@@ -190,7 +201,43 @@ class EmbeddedNats:
         self.stop()
         raise TimeoutError(f"nats-server did not become ready in {timeout_s}s ({self.log_path})")
 
+    def store_write_error(self, timeout_s: float = 2.0) -> str | None:
+        """The write error a stream of this server's JetStream store hit, from its monitor's
+        `/healthz`; None when healthy, unknown (no monitor, not answering) or unwell for
+        another reason. nats-server stops writing to a stream after a disk error (a full disk)
+        until it is restarted: this is how its launcher learns that it must restart it."""
+        if self.monitor_port is None or self.proc is None:
+            return None
+        url = f"http://{_hostport(LOOPBACK, self.monitor_port)}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as r:
+                r.read()
+            return None
+        except urllib.error.HTTPError as e:
+            with contextlib.suppress(OSError, ValueError):
+                error = str(json.loads(e.read()).get("error", ""))
+                if "write error" in error:
+                    return error
+            return None
+        except (OSError, ValueError):
+            return None
+
+    def restart(self, timeout_s: float = 20.0) -> EmbeddedNats:
+        """Stop the server process (its store stays) and start it again on the same store, port
+        and config; a start that fails leaves it stopped (`proc` None) and raises."""
+        self._stop_process()
+        try:
+            return self.start(timeout_s)
+        except BaseException:
+            self._stop_process()
+            raise
+
     def stop(self) -> None:
+        self._stop_process()
+        if self._own_dir:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def _stop_process(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGTERM)
             try:
@@ -199,8 +246,6 @@ class EmbeddedNats:
                 os.kill(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proc = None
-        if self._own_dir:
-            shutil.rmtree(self.store_dir, ignore_errors=True)
 
     def __enter__(self) -> EmbeddedNats:
         return self.start()
