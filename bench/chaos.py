@@ -248,8 +248,20 @@ def audit(out: Path, run: dict) -> dict:
         "faults": dict(counts),
         "lost_s": {k: round(v, 1) for k, v in lost_s.items()},
         "median_step_s": round(median, 2),
-        "checkpoint_write_failures": sum(t.count("checkpoint_write_failed") for t in logs.values()),
+        "checkpoint_write_failures": sum(_failed_checkpoint_writes(t) for t in logs.values()),
     }
+
+
+def _failed_checkpoint_writes(log: str) -> int:
+    """Failed checkpoint write attempts in a worker log: the first of a pause (`write_failed` /
+    `storage_full`) and its retries (`storage_write_retry`), each naming what=checkpoint."""
+    events = ("write_failed", "storage_full", "storage_write_retry")
+    return sum(
+        1
+        for line in log.splitlines()
+        if any(e in line for e in events)
+        and ("what=checkpoint" in line or '"what": "checkpoint"' in line)
+    )
 
 
 def main() -> int:

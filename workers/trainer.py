@@ -111,7 +111,6 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService | RankZeroService:
         total_steps=t.total_steps,
         max_tokens_per_mb=t.max_tokens_per_mb,
         checkpoint_every=t.checkpoint_every,
-        checkpoint_retry_s=t.checkpoint_retry_s,
         adv_norm_std=a.adv_norm_std,
         adv_batch_norm=a.adv_batch_norm,
         weights_dtype=v.model.dtype,

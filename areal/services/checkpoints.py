@@ -18,10 +18,11 @@ Invariants:
 - at most one checkpoint is in flight: a save waits for the previous write to land first, so
   a disk that stops taking writes pauses training (and acking) instead of letting the trainer
   run ahead of what a resume can restore, and snapshots never pile up in memory;
-- a write that fails (`OSError`: a full disk, a read-only or unwritable dir) is retried in
-  place with backoff, logged loudly each time (`checkpoint_write_failed`) and once more when
-  it lands (`checkpoint_write_recovered`); after `retry_s` it raises `CheckpointWriteError`
-  naming the dir and the cause, and the trainer stops. Nothing it covers was acked.
+- a write that fails on a full or failing disk (ENOSPC anywhere in the error's chain, as
+  `torch.save` reports it, or another filesystem `OSError`) is retried in place through the
+  trainer's `StorageGuard` (`areal.services.storage`: one `storage_full` / `write_failed`
+  event per pause, `storage_recovered` when it lands) until it lands. Nothing it covers was
+  acked meanwhile. Any other error raises at once.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import structlog
 from areal.bus.client import Lease
 from areal.core.intake import Intake
 from areal.engines.base import TrainEngine
+from areal.services.storage import StorageGuard, tree_bytes
 from schemas.state import CheckpointState
 
 STATE_FILE = "trainer_state.json"
@@ -51,11 +53,15 @@ def write_text_atomic(path: Path, text: str) -> None:
     name, and the rename is on disk before this returns (a crash of the host, not only of the
     process, then leaves the old file or the new one, never an empty one)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk: a partial temp file holds space for nothing
+        raise
     fsync_path(path.parent)
 
 
@@ -80,8 +86,13 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-class CheckpointWriteError(RuntimeError):
-    """Checkpoints could not be written for `retry_s`: the trainer must not go on."""
+def _remove(path: Path) -> None:
+    """Delete the file or dir `path` (best effort; absent is fine)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 class Checkpointer:
@@ -91,15 +102,15 @@ class Checkpointer:
         ckpt_dir: Path,
         on_written: Callable[[], Awaitable[None]],
         *,
-        retry_s: float = 300.0,
+        storage: StorageGuard | None = None,
     ) -> None:
         self.engine, self.dir, self.on_written = engine, ckpt_dir, on_written
-        self.retry_s = retry_s
-        self.write_failures = 0  # failed write attempts so far (each one logged)
+        self.storage = storage or StorageGuard()
         self._last: asyncio.Task | None = None
         self._saved_version: int | None = None  # engine version of the last engine save
         self._engine_dir = "engine"  # the engine state the last written (or loaded) state names
         self.last_write_s = 0.0  # duration of the last write (+ acks)
+        self.last_bytes: int | None = None  # size of the last engine state written (or found)
 
     def load(self) -> CheckpointState | None:
         path = self.dir / STATE_FILE
@@ -151,63 +162,47 @@ class Checkpointer:
         self.last_write_s = time.perf_counter() - t0
 
     async def _write_files(self, ckpt: CheckpointState, engine_changed: bool, snap: Any) -> None:
-        """The engine state, then `trainer_state.json`, retried on `OSError` (module invariants)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.retry_s
-        delay, failures = 1.0, 0
-        while True:
+        """The engine state, then `trainer_state.json`, through the storage guard (module
+        invariants); the bytes it needs are about those of the last engine state."""
+        if self.last_bytes is None:
+            found = await asyncio.to_thread(tree_bytes, self.dir / self._engine_dir)
+            self.last_bytes = found or None
+        await self.storage.write(
+            "checkpoint",
+            self.dir,
+            lambda: self._write_once(ckpt, engine_changed, snap),
+            needs_bytes=self.last_bytes if (snap is not None or engine_changed) else None,
+        )
+
+    async def _write_once(self, ckpt: CheckpointState, engine_changed: bool, snap: Any) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        engine_path = str(self.dir / ckpt.engine_dir)
+        if snap is not None or engine_changed:
             try:
-                self.dir.mkdir(parents=True, exist_ok=True)
-                engine_path = str(self.dir / ckpt.engine_dir)
                 if snap is not None:
                     await asyncio.to_thread(self.engine.write_checkpoint, snap, engine_path)
-                elif engine_changed:
+                else:
                     await asyncio.to_thread(self.engine.save_checkpoint, engine_path)
-                if snap is not None or engine_changed:  # on disk before the state names it
-                    await asyncio.to_thread(fsync_path, Path(engine_path))
-                state = ckpt.model_dump_json()
-                await asyncio.to_thread(write_text_atomic, self.dir / STATE_FILE, state)
-                self._engine_dir = ckpt.engine_dir
-                await asyncio.to_thread(self._remove_other_engine_states)
-            except OSError as e:
-                failures += 1
-                self.write_failures += 1
-                reason = f"{type(e).__name__}: {e}"
-                if loop.time() + delay > deadline:
-                    raise CheckpointWriteError(
-                        f"checkpoints to {self.dir} failed for {self.retry_s:.0f} s ({reason}); "
-                        "nothing since the last checkpoint was acked: free disk space or fix the "
-                        "directory's permissions, then `areal run ... --resume`"
-                    ) from None
-                log.error(
-                    "checkpoint_write_failed",
-                    dir=str(self.dir),
-                    step=ckpt.trainer.step,
-                    error=reason,
-                    retry_in_s=delay,
-                    gives_up_in_s=round(deadline - loop.time()),
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 15.0)
-                continue
-            if failures:
-                log.warning("checkpoint_write_recovered", step=ckpt.trainer.step, failures=failures)
-            return
+                await asyncio.to_thread(fsync_path, Path(engine_path))  # before the state names it
+            except Exception:
+                if ckpt.engine_dir != self._engine_dir:  # a partial new state: give its space back
+                    await asyncio.to_thread(_remove, Path(engine_path))
+                raise
+            self.last_bytes = await asyncio.to_thread(tree_bytes, engine_path) or None
+        state = ckpt.model_dump_json()
+        await asyncio.to_thread(write_text_atomic, self.dir / STATE_FILE, state)
+        self._engine_dir = ckpt.engine_dir
+        await asyncio.to_thread(self._remove_other_engine_states)
 
     def _remove_other_engine_states(self) -> None:
         """Every engine state but the one `trainer_state.json` names (after it was replaced)."""
         for path in self.dir.glob("engine*"):
-            if path.name == self._engine_dir:
-                continue
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+            if path.name != self._engine_dir:
+                _remove(path)
 
     async def flush(self) -> None:
         """Wait for background checkpoints (and their acks) to land; re-raises a write's
-        `CheckpointWriteError`."""
+        error (`StorageWriteError` after the guard's `give_up_s`)."""
         if self._last is not None:
             last, self._last = self._last, None
             await last

@@ -4,6 +4,9 @@
 Invariants:
 - after a restart `metrics.jsonl` holds exactly the steps the checkpoint covers (`truncate`),
   so a step is never recorded twice nor skipped;
+- an append that fails (a full disk) leaves the file as it was (`append_line` cuts a partial
+  line off again), so the trainer can retry it (`areal.services.storage`) without tearing a
+  record;
 - `eval.jsonl` holds each evaluation round at most once, in arrival order (`EvalLog.add` skips
   a round it already has: the trainer replays the stream's eval records on every start).
 """
@@ -11,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from areal.services.checkpoints import write_text_atomic
@@ -22,8 +26,7 @@ class MetricsLog:
         self.path = path
 
     def append(self, rec: StepRecord) -> None:
-        with open(self.path, "a") as f:
-            f.write(rec.model_dump_json(exclude_none=True) + "\n")
+        append_line(self.path, rec.model_dump_json(exclude_none=True))
 
     def records(self) -> list[dict]:
         if not self.path.exists():
@@ -67,10 +70,27 @@ class EvalLog:
         """Append a round's record unless it is already there; True if appended."""
         if values["round"] in self.rounds:
             return False
-        with open(self.path, "a") as f:
-            f.write(json.dumps(values) + "\n")
+        append_line(self.path, json.dumps(values))
         self.rounds.add(values["round"])
         return True
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append `line` and a newline to `path`, whole or not at all: a write that fails part way
+    (ENOSPC after some bytes) is cut off again before the error is raised."""
+    data = (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except BaseException:
+            os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
 
 
 def write_summary(path: Path, summary: RunSummary) -> None:

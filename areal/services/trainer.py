@@ -17,6 +17,10 @@ Invariants:
   event at once; its slot goes back to admission (KV) once a checkpoint covers it, and the
   trainer checkpoints before it waits for more data, so a slot is never held back long;
 - a scored group is acked only once a checkpoint covers its effect (`Checkpointer`);
+- every write (weights, checkpoint, metrics.jsonl, eval.jsonl, summary.json, the final model)
+  goes through one `StorageGuard` (`areal.services.storage`): a full or failing disk pauses
+  the write and what follows it (acks included), says so once (`storage_full` /
+  `write_failed`, then `storage_recovered`: run events) and retries until the write lands;
 - nothing reaches the optimizer unchecked (`areal.core.validate`): a scored group that does not
   fit the run is dead-lettered with the reason on its first delivery, and if it belongs to a
   task the controller admitted and that is still open, the task is retired as `rejected` (its
@@ -53,6 +57,7 @@ from areal.services.batches import to_train_seqs
 from areal.services.checkpoints import Checkpointer
 from areal.services.common import BusyMeter, heartbeat_loop
 from areal.services.run_files import EvalLog, MetricsLog, make_summary, write_summary
+from areal.services.storage import StorageGuard
 from schemas import MetricRecord, Sample, ScoredGroup
 from schemas import subjects as S
 from schemas.state import CONTROLLER_KEY, TRAINER_KEY, ControllerState, RunSummary, StepRecord
@@ -66,7 +71,9 @@ class TrainerOptions:
     total_steps: int
     max_tokens_per_mb: int
     checkpoint_every: int = 1
-    checkpoint_retry_s: float = 300.0  # a failing checkpoint write is retried this long
+    # a write failing on a full or failing disk pauses training this long at most, then the
+    # trainer stops (None: until the write lands)
+    storage_pause_max_s: float | None = None
     adv_norm_std: bool = True
     adv_batch_norm: bool = False
     weights_dtype: str = "float32"  # what the engine holds (`model.dtype`)
@@ -83,11 +90,9 @@ class TrainerService:
     def __init__(self, bus: Bus, engine: TrainEngine, opts: TrainerOptions, out_dir: Path) -> None:
         self.bus, self.engine, self.opts, self.out_dir = bus, engine, opts, Path(out_dir)
         self.intake: Intake[Lease] = Intake(opts.intake)
+        self.storage = StorageGuard(bus.event, give_up_s=opts.storage_pause_max_s)
         self.checkpoints = Checkpointer(
-            engine,
-            self.out_dir / "checkpoint",
-            self._publish_state,
-            retry_s=opts.checkpoint_retry_s,
+            engine, self.out_dir / "checkpoint", self._publish_state, storage=self.storage
         )
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl")
         self.evals: EvalLog | None = None  # opened in run(), once out_dir exists
@@ -102,6 +107,7 @@ class TrainerService:
         self._announced: int | None = None  # newest version whose weights are announced
         self._publishing: asyncio.Task[None] | None = None  # an overlapped publish in flight
         self.last_publish_s = 0.0  # export + upload + announce of the last publish that landed
+        self._weights_bytes: int | None = None  # size of the last weights exported
         # tasks this much newer than an open one have ended: the open one is lost or stuck
         self.overdue_horizon = 4 * (opts.intake.max_staleness + 2) * opts.intake.batch_size
 
@@ -251,7 +257,7 @@ class TrainerService:
             },
             stats=stats,
         )
-        self.metrics.append(rec)
+        await self.storage.write_sync("metrics", self.metrics.path, self.metrics.append, rec)
         await self.bus.metric("step", rec.model_dump(exclude_none=True))
         await self._report_overdue()
         last = rec.step >= o.total_steps
@@ -291,6 +297,7 @@ class TrainerService:
         version, step = self.engine.version, self.intake.state.step
         wire = wire_dtype_of(self.opts.wire_dtype, self.opts.weights_dtype)
         blob = await asyncio.to_thread(export_blob, self.engine, wire)
+        self._weights_bytes = blob.nbytes
         if blob.nbytes > self.opts.overlap_publish_max_bytes:
             await self._announce(version, blob, wire, step, t0)
             return
@@ -300,7 +307,16 @@ class TrainerService:
     async def _announce(
         self, version: int, blob: WeightsBlob, wire: str, step: int, t0: float
     ) -> None:
-        await self.bus.put_weights(version, blob, wire, step, file_dir=self.opts.weights_dir)
+        if self.opts.weights_dir is None:
+            where = f"nats-obj://{self.bus.names.weights_bucket}/v{version}"
+        else:
+            where = str(Path(self.opts.weights_dir) / f"v{version}.safetensors")
+        await self.storage.write(
+            "weights",
+            where,
+            lambda: self.bus.put_weights(version, blob, wire, step, file_dir=self.opts.weights_dir),
+            needs_bytes=blob.nbytes,
+        )
         self._announced = max(self._announced or 0, version)
         self.last_publish_s = time.perf_counter() - t0
         await self._publish_state()
@@ -317,10 +333,12 @@ class TrainerService:
             self.intake.restore(ckpt)
             await self.checkpoints.load_engine()
             self.t_start = time.time() - ckpt.trainer.wall_s
-            self.metrics.truncate(ckpt.trainer.step)
+            await self.storage.write_sync(
+                "metrics", self.metrics.path, self.metrics.truncate, ckpt.trainer.step
+            )
             log.info("trainer_resumed", step=ckpt.trainer.step, policy_version=self.engine.version)
         else:  # an earlier incarnation died before its first checkpoint: its steps are redone
-            self.metrics.truncate(0)
+            await self.storage.write_sync("metrics", self.metrics.path, self.metrics.truncate, 0)
         latest = await self.bus.latest_weights()
         if latest is not None and latest.version > self.engine.version:
             # weights newer than the checkpoint were announced (a crash between publishing and
@@ -368,18 +386,28 @@ class TrainerService:
 
     async def _finish(self) -> RunSummary:
         await self.publish_settled()
-        await asyncio.to_thread(self.engine.save_pretrained, str(self.out_dir / "final"))
+        final = self.out_dir / "final"
+        await self.storage.write_sync(
+            "final_model",
+            final,
+            self.engine.save_pretrained,
+            str(final),
+            needs_bytes=self._weights_bytes,
+        )
         self.intake.state.done = True
         await self._publish_state()
         summary = await self.summary()
-        write_summary(self.out_dir / "summary.json", summary)
+        path = self.out_dir / "summary.json"
+        await self.storage.write_sync("summary", path, write_summary, path, summary)
         await self.bus.event("run_finished", **summary.model_dump())
         log.info("run_finished", **summary.model_dump())
         return summary
 
     async def _on_eval(self, rec: MetricRecord) -> None:
         """A rollout worker's evaluation round: into `eval.jsonl` (once per round)."""
-        if self.evals is not None and "round" in rec.values and self.evals.add(rec.values):
+        if self.evals is None or "round" not in rec.values:
+            return
+        if await self.storage.write_sync("eval", self.evals.path, self.evals.add, rec.values):
             log.info(
                 "eval_recorded",
                 **{k: rec.values.get(k) for k in ("round", "version", "eval_reward")},
@@ -388,7 +416,9 @@ class TrainerService:
     async def run(self, stop: asyncio.Event) -> RunSummary | None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         await self.restore()
-        self.evals = EvalLog(self.out_dir / "eval.jsonl")
+        self.evals = await self.storage.write_sync(
+            "eval", self.out_dir / "eval.jsonl", EvalLog, self.out_dir / "eval.jsonl"
+        )
         evals = await self.bus.subscribe_metrics("rollout", "eval", self._on_eval, replay=True)
         consumer = asyncio.create_task(
             self.bus.consume(
@@ -432,3 +462,4 @@ class TrainerService:
                 log.error("weights_publish_failed", version=self.engine.version, error=str(e))
             with contextlib.suppress(asyncio.CancelledError):
                 await consumer
+            await self.storage.drain(timeout_s=5.0)  # a storage_recovered just before the end

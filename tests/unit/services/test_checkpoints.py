@@ -1,32 +1,53 @@
-"""Checkpoint durability: a failing write is retried in place (nothing acked meanwhile), at most
-one checkpoint is in flight, and a write that keeps failing stops the trainer with the reason.
+"""Checkpoint durability: a write failing on a full disk is retried in place (nothing acked
+meanwhile), at most one checkpoint is in flight, a write that keeps failing past the storage
+guard's `give_up_s` stops the trainer with the reason, and any other error raises at once.
 
-A stand-in engine whose writes raise `OSError` a set number of times; the intake is the real
-one, the leases are recorders. Time is only the checkpointer's own retry budget."""
+A stand-in engine whose writes fail as `torch.save` does on a full disk (a RuntimeError whose
+context is the ENOSPC) a set number of times; the intake is the real one, the leases are
+recorders. The storage guard's backoff sleeps take no wall-clock time."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from areal.core.intake import Intake, IntakePolicy
-from areal.services.checkpoints import STATE_FILE, Checkpointer, CheckpointWriteError
+from areal.services.checkpoints import STATE_FILE, Checkpointer
+from areal.services.storage import StorageGuard, StorageWriteError
 from schemas import ScoredSample
 from tests.factories import make_sample
 
 
+def torch_save_failure(path: str) -> RuntimeError:
+    """What `torch.save` into a file raises when the disk fills: the ENOSPC is its context."""
+    try:
+        try:
+            raise OSError(28, "No space left on device", path)
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")  # noqa: B904
+    except RuntimeError as e:
+        return e
+
+
 class FlakyEngine:
-    """Writes fail with `OSError` `failures` times, then succeed."""
+    """Writes fail as on a full disk `failures` times (leaving a partial file), then succeed."""
 
     def __init__(self, failures: int) -> None:
         self.failures, self.version, self.writes = failures, 0, 0
+        self.seen_before_failure: list[bool] = []  # did the partial state of a failure go?
+        self.on_failure: Callable[[], None] = lambda: None
 
     def save_checkpoint(self, path: str) -> None:
         if self.failures:
+            self.seen_before_failure.append(Path(path).exists())
+            self.on_failure()
             self.failures -= 1
-            raise OSError(28, "No space left on device", path)
+            Path(path).mkdir(parents=True, exist_ok=True)
+            (Path(path) / "partial").write_bytes(b"x" * 100)
+            raise torch_save_failure(path)
         self.writes += 1
         Path(path).mkdir(parents=True, exist_ok=True)
 
@@ -61,28 +82,52 @@ async def noop() -> None:
     return None
 
 
-async def test_a_failing_write_is_retried_and_acks_only_once_it_lands(tmp_path, monkeypatch):
-    monkeypatch.setattr(asyncio, "sleep", _fast_sleep)
+def fast_guard(**kw) -> StorageGuard:
+    return StorageGuard(sleep=_fast_sleep, **kw)
+
+
+async def test_a_failing_write_is_retried_and_acks_only_once_it_lands(tmp_path):
     engine = FlakyEngine(failures=3)
-    ckpt = Checkpointer(engine, tmp_path / "ckpt", noop, retry_s=3600)
+    acked_while_failing: list[bool] = []
+    guard = fast_guard()
+    ckpt = Checkpointer(engine, tmp_path / "ckpt", noop, storage=guard)
     intake, lease = filed_intake()
     engine.version = 1
+    engine.on_failure = lambda: acked_while_failing.append(lease.acked)
     await ckpt.save(intake, background=True)
     await ckpt.flush()
-    assert engine.writes == 1 and ckpt.write_failures == 3
+    assert engine.writes == 1 and guard.failures == 3 and guard.pauses == 1
+    assert acked_while_failing == [False, False, False]  # nothing acked before it landed
     assert lease.acked and (tmp_path / "ckpt" / STATE_FILE).is_file()
+    # each failed attempt's partial engine state was removed before the retry (its space back)
+    assert engine.seen_before_failure == [False, False, False]
+    assert not (tmp_path / "ckpt" / "engine-00000001" / "partial").exists()
 
 
-async def test_a_write_that_keeps_failing_stops_with_the_reason(tmp_path):
+async def test_a_write_that_keeps_failing_past_give_up_s_stops_with_the_reason(tmp_path):
     engine = FlakyEngine(failures=10**6)
-    # backoff 1 s, then 2 s would pass the 2.5 s budget: two tries, ~1 s
-    ckpt = Checkpointer(engine, tmp_path / "ckpt", noop, retry_s=2.5)
+    # backoff 1 s, then 2 s would pass the 2.5 s budget: two tries
+    ckpt = Checkpointer(engine, tmp_path / "ckpt", noop, storage=fast_guard(give_up_s=2.5))
     intake, lease = filed_intake()
     engine.version = 1
     await ckpt.save(intake, background=True)
-    with pytest.raises(CheckpointWriteError, match=r"No space left on device.*--resume"):
+    with pytest.raises(StorageWriteError, match=r"No space left on device.*--resume"):
         await ckpt.flush()
     assert not lease.acked and not (tmp_path / "ckpt" / STATE_FILE).exists()
+
+
+async def test_an_engine_s_programming_error_is_raised_at_once(tmp_path):
+    class BrokenEngine(FlakyEngine):
+        def save_checkpoint(self, path: str) -> None:
+            raise KeyError("optimizer")
+
+    guard = fast_guard()
+    ckpt = Checkpointer(BrokenEngine(0), tmp_path / "ckpt", noop, storage=guard)
+    intake, lease = filed_intake()
+    ckpt.engine.version = 1
+    with pytest.raises(KeyError, match="optimizer"):
+        await ckpt.save(intake, background=False)
+    assert guard.failures == 0 and not lease.acked
 
 
 async def test_the_next_save_waits_for_the_write_in_flight(tmp_path):
