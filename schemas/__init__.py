@@ -4,6 +4,7 @@
 from schemas.arrays import PackedArray
 from schemas.messages import (
     MESSAGE_TYPES,
+    READABLE_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
     DeadLetter,
     Event,
@@ -21,6 +22,7 @@ from schemas.subjects import RunNames
 
 __all__ = [
     "MESSAGE_TYPES",
+    "READABLE_SCHEMA_VERSIONS",
     "SCHEMA_VERSION",
     "DeadLetter",
     "Event",

@@ -12,9 +12,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-DType = Literal["int32", "int64", "float32", "float16", "bfloat16"]
-ITEMSIZE: dict[str, int] = {"int32": 4, "int64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
-_TYPECODE = {"int32": "i", "int64": "q", "float32": "f"}
+DType = Literal["uint8", "int32", "int64", "float32", "float16", "bfloat16"]
+ITEMSIZE: dict[str, int] = {
+    "uint8": 1,
+    "int32": 4,
+    "int64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+}
+_TYPECODE = {"uint8": "B", "int32": "i", "int64": "q", "float32": "f"}
 
 
 class PackedArray(BaseModel):

@@ -3,6 +3,9 @@
 Invariants:
 - every message carries `schema_version`; a reader rejects a version it does not support with a
   clear error, and ignores unknown fields (so writers may add fields without a version bump);
+  writers write `SCHEMA_VERSION`, readers accept every version of `READABLE_SCHEMA_VERSIONS`
+  (version 1, before episodes: a sample without `loss_mask` and the episode fields, which
+  their defaults fill: every output token trained, one turn, no tool call);
 - token ids, log-probs and versions are `PackedArray`s (dtype + little-endian bytes);
 - ids are deterministic (task id from run + admission seq; sample id from task id + index; a
   group's id from its task id), so they double as JetStream `Nats-Msg-Id` for de-duplication and
@@ -21,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from schemas.arrays import PackedArray
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: samples carry a loss mask and episode fields (multi-turn, tools)
+READABLE_SCHEMA_VERSIONS = (1, 2)
 
 
 class SchemaVersionError(ValueError):
@@ -37,10 +41,11 @@ class Message(BaseModel):
     @field_validator("schema_version")
     @classmethod
     def _supported(cls, v: int) -> int:
-        if v != SCHEMA_VERSION:
+        if v not in READABLE_SCHEMA_VERSIONS:
+            readable = ", ".join(map(str, READABLE_SCHEMA_VERSIONS))
             raise SchemaVersionError(
-                f"{cls.kind} message has schema_version {v}, this reader supports "
-                f"{SCHEMA_VERSION}: run every worker of a run with the same areal-bus version"
+                f"{cls.kind} message has schema_version {v}, this reader supports {readable}: "
+                "run every worker of a run with the same areal-bus version"
             )
         return v
 
@@ -76,7 +81,12 @@ def sample_id(task_id: str, sample_idx: int) -> str:
 
 
 class Sample(Message):
-    """One finished generation, with per-token behaviour log-probs and policy versions."""
+    """One finished episode: the prompt, then `output_ids`, the whole token stream after it
+    (a single-turn sample: one generation; a multi-turn one: model and environment tokens
+    interleaved, as the model saw them), with per-token behaviour log-probs and policy
+    versions. `loss_mask` tells which output tokens the model generated (1: trained) and which
+    the environment added (0: tool output, user turns; log-prob 0.0, version -1, never
+    trained); None: every output token is the model's (single-turn, and version 1 messages)."""
 
     kind: ClassVar[str] = "sample"
     task_id: str
@@ -87,11 +97,22 @@ class Sample(Message):
     output_ids: PackedArray
     behav_logp: PackedArray
     versions: PackedArray
+    loss_mask: PackedArray | None = Field(
+        None,
+        description="uint8 per output token: 1 = a model token (trained), 0 = an environment "
+        "token (log-prob 0, version -1, never trained); None = every output token trained",
+    )
     output_text: str = ""
     answer: str = ""
     metadata: dict[str, Any] = Field(default_factory=dict)
     finish_reason: str = "stop"
     worker_id: str = ""
+    n_turns: int = Field(default=1, ge=1, description="model generations in the episode")
+    n_tool_calls: int = Field(default=0, ge=0, description="tool calls the episode made")
+    n_tool_errors: int = Field(
+        default=0, ge=0, description="tool calls that failed (raised, timed out, malformed)"
+    )
+    tool_s: float = Field(default=0.0, ge=0, description="tool latency summed over calls (s)")
     n_interrupts: int = Field(default=0, ge=0)
     n_reprefill_tokens: int = Field(default=0, ge=0)
     timings: dict[str, float] = Field(default_factory=dict)
@@ -115,6 +136,11 @@ class Sample(Message):
             raise ValueError(
                 f"sample {self.sample_id}: output_ids has {n} tokens but behav_logp has "
                 f"{len(self.behav_logp)} and versions {len(self.versions)}"
+            )
+        if self.loss_mask is not None and len(self.loss_mask) != n:
+            raise ValueError(
+                f"sample {self.sample_id}: output_ids has {n} tokens but loss_mask has "
+                f"{len(self.loss_mask)}"
             )
         if self.sample_idx >= self.group_size:
             raise ValueError(

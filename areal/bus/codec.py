@@ -46,7 +46,7 @@ def decode(data: bytes, cls: type[M]) -> M:
     return msg
 
 
-_NP_DTYPES = {"int32": "<i4", "int64": "<i8", "float32": "<f4", "float16": "<f2"}
+_NP_DTYPES = {"uint8": "u1", "int32": "<i4", "int64": "<i8", "float32": "<f4", "float16": "<f2"}
 
 
 def pack(values: np.ndarray | list, dtype: str) -> PackedArray:

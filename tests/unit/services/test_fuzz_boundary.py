@@ -226,6 +226,16 @@ def _random_bytes_field(draw, d: dict, n: int) -> None:
     d["versions"] = pack([LATEST + 1] * n, "int32").model_dump()
 
 
+def _lying_mask(draw, d: dict, n: int) -> None:
+    """A loss mask that lies: a model token (a version, a log-prob) called the environment's, a
+    value other than 0/1, or a length other than the output's."""
+    mask = [1] * n
+    mask[draw(st.integers(0, n - 1))] = draw(st.sampled_from([0, 2, 255]))
+    if draw(st.booleans()):
+        mask += [1] * draw(st.integers(1, 3))
+    d["loss_mask"] = pack(mask, "uint8").model_dump()
+
+
 LIES = [
     _poke_array("output_ids", "int32", lambda draw: draw(BAD_INTS)),
     _poke_array("prompt_ids", "int32", lambda draw: draw(BAD_INTS)),
@@ -235,7 +245,7 @@ LIES = [
     _set("task_id", lambda draw: draw(st.sampled_from(["other-t1", "", "x" * 5000, f"{RUN}-t"]))),
     _set("task_seq", lambda draw: draw(st.sampled_from([-1, ADMITTED + 5, 10**12]))),
     _set("sample_idx", lambda draw: draw(st.sampled_from([-1, G, 10**9]))),
-    _set("schema_version", lambda draw: draw(st.sampled_from([0, 2, 99]))),
+    _set("schema_version", lambda draw: draw(st.sampled_from([0, 3, 99]))),
     _set("finish_reason", lambda draw: draw(st.sampled_from(["", "stop\x00", "eos"]))),
     _set("prompt_ids", pack([], "int32").model_dump()),
     _set("timings", {"t": math.nan}),
@@ -244,6 +254,7 @@ LIES = [
     _lying_length,
     _huge,
     _random_bytes_field,
+    _lying_mask,
 ]
 
 
