@@ -385,6 +385,58 @@ class RolloutSettings(_Part):
     overlong_penalty: float = Field(
         1.0, ge=0, description="penalty mode: the reward taken off a sample cut at the limit"
     )
+    workflow: str = Field(
+        "single_turn",
+        min_length=1,
+        description="what one sample is: single_turn (one generation), tool_call (a multi-turn "
+        "episode calling tools), or pkg.mod:Name (your class with `async arun_episode(gen, "
+        "task, sample_idx) -> Episode`)",
+    )
+    workflow_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of the workflow's class"
+    )
+    max_turns: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="model generations per episode, max (each at most max_new_tokens); an "
+        "episode's model tokens are at most max_new_tokens * max_turns",
+    )
+    max_episode_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=2**24,
+        description="tokens of an episode after its prompt, model and environment (tool "
+        "output, user turns) together, max; None = 2 * max_new_tokens * max_turns (as many "
+        "environment tokens as model tokens). At least max_new_tokens; the model's context "
+        "bounds prompt + episode too",
+    )
+
+    @model_validator(mode="after")
+    def _episode_fits_a_turn(self) -> RolloutSettings:
+        if self.max_episode_tokens is not None and self.max_episode_tokens < self.max_new_tokens:
+            raise ValueError(
+                f"rollout.max_episode_tokens={self.max_episode_tokens} is below "
+                f"rollout.max_new_tokens={self.max_new_tokens}: one full turn must fit an "
+                "episode; raise it or lower max_new_tokens"
+            )
+        return self
+
+    @property
+    def episode_tokens(self) -> int:
+        """`max_episode_tokens`, its default resolved: tokens an episode may hold after its
+        prompt."""
+        if self.max_episode_tokens is not None:
+            return self.max_episode_tokens
+        return 2 * self.max_new_tokens * self.max_turns
+
+    def sample_limits(self) -> dict[str, int]:
+        """What a sample of this run may hold (`areal.core.validate.Bounds` fields)."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "max_turns": self.max_turns,
+            "max_episode_tokens": self.episode_tokens,
+        }
 
 
 class EvalSettings(_Part):

@@ -105,13 +105,13 @@ class TrainerView(_View):
     train: TrainSettings
     temperature: float  # the rollout's sampling temperature (log-probs are taken under it)
     mask_overlong: bool  # rollout.overlong == "mask": cut samples are kept out of the loss
-    max_new_tokens: int  # a sample is at most this long
+    sample_limits: dict[str, int]  # what a sample may hold (`RolloutSettings.sample_limits`)
     reward_range: tuple[float, float]  # what a published reward may be
 
     @classmethod
     def of(cls, s: RunSettings) -> TrainerView:
         return cls(
-            max_new_tokens=s.rollout.max_new_tokens,
+            sample_limits=s.rollout.sample_limits(),
             reward_range=s.reward_range(),
             seed=s.seed,
             out_dir=s.out_dir,

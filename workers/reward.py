@@ -32,9 +32,7 @@ def build(view: RewardView, bus: Bus) -> RewardService:
         shaping = OverlongShaping(ro.max_new_tokens, ro.overlong_buffer, ro.overlong_penalty)
     from areal.core.validate import Bounds
 
-    bounds = Bounds(
-        run_id=bus.names.run_id, group_size=view.group_size, max_new_tokens=ro.max_new_tokens
-    )
+    bounds = Bounds(run_id=bus.names.run_id, group_size=view.group_size, **ro.sample_limits())
     return RewardService(
         bus,
         view.fn,

@@ -120,7 +120,7 @@ def build(parts: RolloutParts, bus: Bus) -> RolloutService:
             parts.engine,
             run_id=bus.names.run_id,
             group_size=v.group_size,
-            max_new_tokens=r.max_new_tokens,
+            **r.sample_limits(),
         ),
     )
 

@@ -122,7 +122,7 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService | RankZeroService:
             parts.engine,
             run_id=bus.names.run_id,
             group_size=a.group_size,
-            max_new_tokens=v.max_new_tokens,
+            **v.sample_limits,
             reward_range=v.reward_range,
         ),
     )

@@ -9,13 +9,19 @@ What a message of this run must be:
 - its task id is the run's id for its admission seq (`<run>-t<seq>`), and its group size is
   the run's G;
 - token ids are integers within the model's vocabulary; a prompt is not empty and leaves room
-  in the model's context for at least one generated token; an output is at most
-  `max_new_tokens` long;
-- behaviour log-probs are finite float32 in `[LOGP_FLOOR, LOGP_SLACK]` (a log-probability is
-  <= 0; the slack absorbs rounding);
-- per-token versions are integers in `[0, latest]`, never decreasing along the sample (weights
-  only move forward), where `latest` is the newest version the checker's caller knows was
-  published: a version from the future is a lie;
+  in the model's context for at least one generated token; prompt + output fit the context;
+- an output is model tokens, and in a multi-turn episode environment tokens too (tool output,
+  user turns), told apart by the sample's `loss_mask` (uint8, 1 = model, 0 = environment, as
+  long as the output; None: every token is a model token); a sample holds at most
+  `max_new_tokens * max_turns` model tokens (single-turn: `max_new_tokens`) and at most
+  `max_episode_tokens` output tokens;
+- behaviour log-probs of model tokens are finite float32 in `[LOGP_FLOOR, LOGP_SLACK]` (a
+  log-probability is <= 0; the slack absorbs rounding);
+- per-token versions of model tokens are integers in `[0, latest]`, never decreasing along the
+  sample's model tokens (weights only move forward), where `latest` is the newest version the
+  checker's caller knows was published: a version from the future is a lie;
+- an environment token has log-prob exactly 0.0 and version `ENV_VERSION` (-1): no policy made
+  it, and nothing about it is trained;
 - a reward is finite and within the scorer's declared range;
 - a group message (`trajectories`, `rewards`) holds samples of one task (the same task, seq,
   group size and prompt; each index once): all G, or a part when the group was too big for one
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from areal.workflows.api import ENV_VERSION, EPISODE_FINISH_REASONS
 from schemas import PackedArray, Sample, SampleGroup, ScoredGroup, ScoredSample, Task
 from schemas.arrays import ITEMSIZE
 
@@ -53,7 +60,7 @@ __all__ = [
 LOGP_FLOOR = -1e4  # no sampled token of a real model is this unlikely; -1e30 would overflow ratios
 LOGP_SLACK = 1e-3  # log-probs are <= 0; fp rounding of a near-certain token may land just above
 INT_DTYPES = ("int32", "int64")
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length", *EPISODE_FINISH_REASONS)
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,9 @@ class Bounds:
 
     run_id: str
     group_size: int | None = None  # None: not checked (a stage that does not know G)
-    max_new_tokens: int = 2**31 - 1
+    max_new_tokens: int = 2**31 - 1  # model tokens per turn
+    max_turns: int = 1  # model generations per episode (model tokens <= max_new_tokens * this)
+    max_episode_tokens: int | None = None  # output tokens, model and environment; None: unchecked
     vocab_size: int | None = None  # None: the checker has no model (token ids not checked)
     max_seq_len: int | None = None  # the model's context (prompt + output), when known
     reward_range: tuple[float, float] = (-math.inf, math.inf)
@@ -79,6 +88,11 @@ class Bounds:
 
     def task_id(self, seq: int) -> str:
         return f"{self.run_id}-t{seq}"
+
+    @property
+    def max_model_tokens(self) -> int:
+        """Model tokens a sample may hold: `max_new_tokens` per turn, `max_turns` turns."""
+        return self.max_new_tokens * self.max_turns
 
 
 @dataclass(frozen=True)
@@ -188,8 +202,12 @@ def check_sample(sample: Sample, b: Bounds, *, latest_version: int) -> Verdict |
     if err is not None:
         return Verdict(err)
     n = len(sample.output_ids)
-    if n > b.max_new_tokens:
-        return Verdict(f"{what}: {n} output tokens, more than max_new_tokens {b.max_new_tokens}")
+    mask, err = _loss_mask(sample.loss_mask, n, what)
+    if err is not None:
+        return Verdict(err)
+    err = _check_budget(sample, n, mask, b, what)
+    if err is not None:
+        return Verdict(err)
     if b.max_seq_len is not None and len(sample.prompt_ids) + n > b.max_seq_len:
         return Verdict(f"{what}: prompt + output exceed the model's context {b.max_seq_len}")
     if sample.behav_logp.dtype != "float32":
@@ -200,35 +218,95 @@ def check_sample(sample: Sample, b: Bounds, *, latest_version: int) -> Verdict |
         )
     if n:
         logp = _values(sample.behav_logp)
-        if not _all_finite(logp):
+        if mask is not None:  # environment tokens: exactly 0; the model's are checked below
+            logp, env = _split(logp, mask)
+            if (env != 0.0).any():
+                bad = float(env[env != 0.0][0])
+                return Verdict(
+                    f"{what}: an environment token (loss mask 0) has behav_logp {bad:g}, not 0"
+                )
+        if len(logp) and not _all_finite(logp):
             return Verdict(f"{what}: behav_logp holds a non-finite value")
-        lo, hi = _lo_hi(logp)
-        if hi > LOGP_SLACK or lo < LOGP_FLOOR:
-            # + 0.0 turns -0.0 into 0.0: Python's min and numpy's may pick either of 0.0 and
-            # -0.0 (they compare equal), and the reason must not depend on which path ran
-            return Verdict(
-                f"{what}: behav_logp outside [{LOGP_FLOOR:g}, 0] "
-                f"(min {lo + 0.0:g}, max {hi + 0.0:g})"
-            )
+        if len(logp):
+            lo, hi = _lo_hi(logp)
+            if hi > LOGP_SLACK or lo < LOGP_FLOOR:
+                # + 0.0 turns -0.0 into 0.0: Python's min and numpy's may pick either of 0.0 and
+                # -0.0 (they compare equal), and the reason must not depend on which path ran
+                return Verdict(
+                    f"{what}: behav_logp outside [{LOGP_FLOOR:g}, 0] "
+                    f"(min {lo + 0.0:g}, max {hi + 0.0:g})"
+                )
     versions, err = _ints(sample.versions, f"{what}: versions")
     if err is not None:
         return Verdict(err)
     assert versions is not None
     if n:
-        lo, hi = _lo_hi(versions)
-        if lo < 0:
-            return Verdict(f"{what}: negative policy version {lo}")
-        if n > 1 and _decreases(versions):
-            return Verdict(f"{what}: per-token versions decrease (weights only move forward)")
-        if hi > latest_version:
-            return Verdict(
-                f"{what}: generated at version {hi}, but the newest published "
-                f"version is {latest_version}",
-                stale_view=True,
-            )
+        if mask is not None:  # environment tokens: ENV_VERSION; the model's are checked below
+            versions, env = _split(versions, mask)
+            if (env != ENV_VERSION).any():
+                bad = int(env[env != ENV_VERSION][0])
+                return Verdict(
+                    f"{what}: an environment token (loss mask 0) has version {bad}, "
+                    f"not {ENV_VERSION}"
+                )
+        if len(versions):
+            lo, hi = _lo_hi(versions)
+            if lo < 0:
+                return Verdict(f"{what}: negative policy version {lo}")
+            if len(versions) > 1 and _decreases(versions):
+                return Verdict(f"{what}: per-token versions decrease (weights only move forward)")
+            if hi > latest_version:
+                return Verdict(
+                    f"{what}: generated at version {hi}, but the newest published "
+                    f"version is {latest_version}",
+                    stale_view=True,
+                )
+    if not math.isfinite(sample.tool_s):
+        return Verdict(f"{what}: tool_s is not finite")
     if not all(math.isfinite(t) for t in sample.timings.values()):
         return Verdict(f"{what}: a timing is not finite")
     return None
+
+
+def _loss_mask(arr: PackedArray | None, n: int, what: str) -> tuple[np.ndarray | None, str | None]:
+    """The sample's loss mask as `[n]` bool (None: every token is a model token), or why not."""
+    if arr is None:
+        return None, None
+    if arr.dtype != "uint8":
+        return None, f"{what}: loss_mask has dtype {arr.dtype}, not uint8"
+    if len(arr) != n:
+        return None, f"{what}: loss_mask has {len(arr)} entries for {n} output tokens"
+    mask = np.frombuffer(arr.data, dtype=np.uint8)
+    if n and int(mask.max()) > 1:
+        return None, f"{what}: loss_mask holds {int(mask.max())}, not only 0 and 1"
+    return mask.astype(bool), None
+
+
+def _check_budget(
+    sample: Sample, n: int, mask: np.ndarray | None, b: Bounds, what: str
+) -> str | None:
+    """Model tokens within `max_new_tokens * max_turns`, the whole output within
+    `max_episode_tokens`, tool counts consistent."""
+    n_model = n if mask is None else int(np.count_nonzero(mask))
+    if n_model > b.max_model_tokens:
+        kind = "output" if mask is None else "model"
+        if b.max_turns == 1:
+            return f"{what}: {n_model} {kind} tokens, more than max_new_tokens {b.max_new_tokens}"
+        return (
+            f"{what}: {n_model} {kind} tokens, more than max_new_tokens * max_turns = "
+            f"{b.max_model_tokens}"
+        )
+    if b.max_episode_tokens is not None and n > b.max_episode_tokens:
+        return f"{what}: {n} output tokens, more than max_episode_tokens {b.max_episode_tokens}"
+    if sample.n_tool_errors > sample.n_tool_calls:
+        return f"{what}: {sample.n_tool_errors} tool errors in {sample.n_tool_calls} tool calls"
+    return None
+
+
+def _split(vals: list | np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(model tokens' values, environment tokens' values) of a per-token array."""
+    arr = np.asarray(vals)
+    return arr[mask], arr[~mask]
 
 
 def check_marker(sample: Sample, b: Bounds) -> Verdict | None:

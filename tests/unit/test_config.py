@@ -176,3 +176,37 @@ def test_monitor_settings_bad_env_value_names_the_variable(monkeypatch):
     monkeypatch.setenv("AREAL_LOG_LEVEL", "loud")
     with pytest.raises(ConfigError, match=r"AREAL_LOG_LEVEL: .*\(got 'LOUD'\); fix or unset"):
         load_monitor_settings()
+
+
+def test_episode_settings_default_to_single_turn_and_resolve_the_episode_budget(tmp_path):
+    r = load_settings(None).rollout
+    assert (r.workflow, r.workflow_kwargs, r.max_turns, r.max_episode_tokens) == (
+        "single_turn",
+        {},
+        1,
+        None,
+    )
+    assert r.sample_limits() == {"max_new_tokens": 16, "max_turns": 1, "max_episode_tokens": 32}
+    yaml_text = (
+        "rollout:\n  workflow: tool_call\n  workflow_kwargs: {tools: [calc], max_tool_s: 2}\n"
+        "  max_turns: 4\n  max_new_tokens: 32\n"
+    )
+    r = load_settings(_yaml(tmp_path, yaml_text)).rollout
+    assert r.workflow_kwargs == {"tools": ["calc"], "max_tool_s": 2}
+    assert r.episode_tokens == 2 * 32 * 4  # None: as many environment tokens as model tokens
+    r = load_settings(None, ["rollout.max_turns=3", "rollout.max_episode_tokens=40"]).rollout
+    assert r.sample_limits() == {"max_new_tokens": 16, "max_turns": 3, "max_episode_tokens": 40}
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("rollout.max_turns=0", "rollout.max_turns.*greater than or equal to 1"),
+        ("rollout.max_episode_tokens=0", "greater than or equal to 1"),
+        ("rollout.max_episode_tokens=15", "max_episode_tokens=15 is below .*max_new_tokens=16"),
+        ("rollout.workflow=", "rollout.workflow"),
+    ],
+)
+def test_bad_episode_settings_name_the_field(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_settings(None, [override])

@@ -66,30 +66,30 @@ LOGP_NAN = pack([-1.0, math.nan, -1.0, -1.0, -1.0], "float32")
 LOGP_INF = pack([-1.0, -math.inf, -1.0, -1.0, -1.0], "float32")
 
 
-@pytest.mark.parametrize(
-    ("fields", "fragment"),
-    [
-        ({"behav_logp": LOGP_NAN}, "non-finite"),
-        ({"behav_logp": LOGP_INF}, "non-finite"),
-        ({"behav_logp": pack([-1.0, 3.0, -1.0, -1.0, -1.0], "float32")}, "outside"),
-        ({"behav_logp": pack([-1.0, -1e6, -1.0, -1.0, -1.0], "float32")}, "outside"),
-        ({"behav_logp": PackedArray(dtype="float16", data=b"\0" * 10)}, "not float32"),
-        ({"output_ids": pack([1, 2, 100, 3, 4], "int32")}, "outside the vocabulary"),
-        ({"output_ids": pack([1, 2, -7, 3, 4], "int32")}, "negative token id"),
-        ({"output_ids": PackedArray(dtype="float32", data=b"\0" * 20)}, "dtype float32"),
-        ({"prompt_ids": pack([5, 10**6], "int64")}, "outside the vocabulary"),
-        ({"prompt_ids": pack([], "int32")}, "empty prompt_ids"),
-        ({"prompt_ids": pack(list(range(64)), "int32")}, "leaves no room"),
-        ({"group_size": 8, "sample_idx": 1}, "group_size 8"),
-        ({"task_id": "other-t3"}, "is not this run's id"),
-        ({"task_seq": 4}, "is not this run's id"),
-        ({"versions": pack([2, 2, 1, 2, 2], "int32")}, "decrease"),
-        ({"versions": pack([-1, 0, 0, 0, 0], "int32")}, "negative policy version"),
-        ({"versions": PackedArray(dtype="float32", data=b"\0" * 20)}, "dtype float32"),
-        ({"finish_reason": "x" * 100}, "finish_reason"),
-        ({"timings": {"t": math.inf}}, "timing"),
-    ],
-)
+SAMPLE_LIES = [  # (fields of make_sample, a fragment of the reason it is refused)
+    ({"behav_logp": LOGP_NAN}, "non-finite"),
+    ({"behav_logp": LOGP_INF}, "non-finite"),
+    ({"behav_logp": pack([-1.0, 3.0, -1.0, -1.0, -1.0], "float32")}, "outside"),
+    ({"behav_logp": pack([-1.0, -1e6, -1.0, -1.0, -1.0], "float32")}, "outside"),
+    ({"behav_logp": PackedArray(dtype="float16", data=b"\0" * 10)}, "not float32"),
+    ({"output_ids": pack([1, 2, 100, 3, 4], "int32")}, "outside the vocabulary"),
+    ({"output_ids": pack([1, 2, -7, 3, 4], "int32")}, "negative token id"),
+    ({"output_ids": PackedArray(dtype="float32", data=b"\0" * 20)}, "dtype float32"),
+    ({"prompt_ids": pack([5, 10**6], "int64")}, "outside the vocabulary"),
+    ({"prompt_ids": pack([], "int32")}, "empty prompt_ids"),
+    ({"prompt_ids": pack(list(range(64)), "int32")}, "leaves no room"),
+    ({"group_size": 8, "sample_idx": 1}, "group_size 8"),
+    ({"task_id": "other-t3"}, "is not this run's id"),
+    ({"task_seq": 4}, "is not this run's id"),
+    ({"versions": pack([2, 2, 1, 2, 2], "int32")}, "decrease"),
+    ({"versions": pack([-1, 0, 0, 0, 0], "int32")}, "negative policy version"),
+    ({"versions": PackedArray(dtype="float32", data=b"\0" * 20)}, "dtype float32"),
+    ({"finish_reason": "x" * 100}, "finish_reason"),
+    ({"timings": {"t": math.inf}}, "timing"),
+]
+
+
+@pytest.mark.parametrize(("fields", "fragment"), SAMPLE_LIES)
 def test_a_lying_sample_is_refused_with_the_reason(fields, fragment):
     sample = make_sample(**{"task_id": "run-t3", **fields})
     v = check_sample(sample, B, latest_version=2)
