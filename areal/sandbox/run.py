@@ -36,6 +36,9 @@ Invariants:
   subreaper, and the hook is then all the filesystem and network containment there is (what it
   allows: `harness`). As root with a Python other users cannot reach (under /root), the
   run keeps root's uid there (warned once), and root ignores RLIMIT_NPROC.
+- Output: the program's stdout goes to /dev/null, or (`stdout_bytes` > 0: the python tool) to a
+  temporary file of the supervisor's, with `python -u` so that nothing printed waits in a buffer
+  when the harness leaves by `os._exit`; it is output only, never part of the verdict.
 - Verdicts: `passed`; `failed` (an exception in the solution or the tests, the CPU or memory
   limit, a value compared or returned to the tests that is not plain data); `timeout`;
   `violation` (something was refused, SystemExit or another BaseException escaped, or the
@@ -100,6 +103,7 @@ class SandboxResult:
     returncode: int | None  # the harness's exit status (negative: its signal); None on timeout
     stderr_tail: str  # last ~2 KB of the program's stderr (the harness prints tracebacks there)
     isolation: Isolation
+    stdout: bytes = b""  # the first `stdout_bytes` bytes the program wrote to fd 1 (0: none kept)
 
     @property
     def passed(self) -> bool:
@@ -114,9 +118,12 @@ def run_sandboxed(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     isolation: Literal["auto"] | Isolation = "auto",
+    stdout_bytes: int = 0,
 ) -> SandboxResult:
     """Run `preamble`, then `solution`, then `tests` in one sandboxed interpreter (see module).
-    Raises only when the sandbox itself cannot be set up (e.g. out of file descriptors)."""
+    `stdout_bytes` > 0 keeps the head of the program's stdout (unbuffered, `python -u`, so what
+    was printed before a kill is there); 0 sends it to /dev/null. Raises only when the sandbox
+    itself cannot be set up (e.g. out of file descriptors)."""
     mode = resolve_isolation(isolation)
     nonce = secrets.token_hex(16)
     uid = _run_uid(mode)
@@ -147,10 +154,14 @@ def run_sandboxed(
             deadline_s=timeout_s + 1.0,
             binds=_host_layout(),
         )
-        with tempfile.TemporaryFile() as job_file, tempfile.TemporaryFile() as stderr_file:
+        with (
+            tempfile.TemporaryFile() as job_file,
+            tempfile.TemporaryFile() as stderr_file,
+            tempfile.TemporaryFile() if stdout_bytes > 0 else contextlib.nullcontext() as out_file,
+        ):
             job_file.write(job)
             job_file.seek(0)
-            proc = _start(spawn, job_file, stderr_file, verdict_w)
+            proc = _start(spawn, job_file, stderr_file, verdict_w, out_file)
             try:
                 for fd in (verdict_w, status_w):  # only C and G hold the write ends now
                     fds.remove(fd)
@@ -160,6 +171,10 @@ def run_sandboxed(
                 _stop(proc)
             stderr_file.seek(max(0, os.fstat(stderr_file.fileno()).st_size - STDERR_TAIL_BYTES))
             tail = stderr_file.read().decode("utf-8", errors="replace")
+            stdout = b""
+            if out_file is not None:
+                out_file.seek(0)
+                stdout = out_file.read(stdout_bytes)
         record, report = _read_all(verdict_r), _read_all(status_r, limit=4096)
     finally:
         for fd in fds:
@@ -167,7 +182,7 @@ def run_sandboxed(
                 os.close(fd)
         shutil.rmtree(work, ignore_errors=True)
     verdict, reason, code = _judge(record, nonce, timed_out, report, timeout_s)
-    return SandboxResult(verdict, reason, code, tail, mode)
+    return SandboxResult(verdict, reason, code, tail, mode, stdout)
 
 
 # --- isolation: which mechanisms this machine allows -------------------------------------------
@@ -557,12 +572,13 @@ def _job(
     return b"%016d" % len(code) + code + header.encode() + b"\n" + b"".join(srcs)
 
 
-def _start(spawn: _Spawn, job_file, stderr_file, verdict_w: int) -> subprocess.Popen:
+def _start(spawn: _Spawn, job_file, stderr_file, verdict_w: int, out_file=None) -> subprocess.Popen:
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": spawn.work, "TMPDIR": spawn.work}
+    unbuffered = ["-u"] if out_file is not None else []  # the harness leaves by os._exit
     return subprocess.Popen(
-        [_python(), "-I", "-S", "-B", "-c", BOOT],
+        [_python(), "-I", "-S", "-B", *unbuffered, "-c", BOOT],
         stdin=job_file,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL if out_file is None else out_file,
         stderr=stderr_file,
         env=env,
         pass_fds=(verdict_w,),
