@@ -25,6 +25,7 @@ class RolloutParts:
     params: Any  # areal.engines.base.SamplingParams
     decode_text: Callable[[list[int]], str]
     eval_plan: Any  # areal.services.evaluation.EvalPlan | None
+    workflow: Any  # areal.workflows.api.RolloutWorkflow
 
 
 def prepare(settings: RunSettings, worker_id: str) -> RolloutParts:
@@ -61,7 +62,27 @@ def prepare(settings: RunSettings, worker_id: str) -> RolloutParts:
     def decode_text(ids: list[int]) -> str:
         return tok.decode([t for t in ids if t not in stop_ids], skip_special_tokens=True)
 
-    return RolloutParts(view, engine, params, decode_text, _eval_plan(view, tok, params))
+    return RolloutParts(
+        view, engine, params, decode_text, _eval_plan(view, tok, params), _workflow(r, tok, params)
+    )
+
+
+def _workflow(r: Any, tok: Any, params: Any) -> Any:
+    """`rollout.workflow` built with the run's tokenizer and episode budget."""
+    from areal.workflows.context import WorkflowContext
+    from areal.workflows.registry import make_workflow
+
+    stop_ids = tuple(params.stop_token_ids)
+    ctx = WorkflowContext(
+        decode=lambda ids: tok.decode([t for t in ids if t not in stop_ids]),
+        encode=lambda text: tok.encode(text, add_special_tokens=False),
+        max_new_tokens=r.max_new_tokens,
+        max_turns=r.max_turns,
+        max_episode_tokens=r.episode_tokens,
+        stop_token_ids=stop_ids,
+        tokenizer=tok,
+    )
+    return make_workflow(r.workflow, ctx, dict(r.workflow_kwargs))
 
 
 def _eval_plan(view: RolloutView, tok: Any, params: Any) -> Any:
@@ -116,6 +137,7 @@ def build(parts: RolloutParts, bus: Bus) -> RolloutService:
         ),
         max_concurrent_tasks=r.max_concurrent_tasks,
         evaluator=Evaluator(parts.eval_plan) if parts.eval_plan is not None else None,
+        workflow=parts.workflow,
         bounds=Bounds.with_model(
             parts.engine,
             run_id=bus.names.run_id,

@@ -56,6 +56,13 @@ def check_reward(s: RunSettings) -> None:
         raise ConfigError(f"config error: reward.fn: {e}") from None
 
 
+def check_workflow(s: RunSettings) -> None:
+    """`rollout.workflow` names a workflow class (`areal.workflows.registry`)."""
+    from areal.workflows.registry import resolve_workflow_class
+
+    resolve_workflow_class(s.rollout.workflow)
+
+
 def check_data_source(s: RunSettings) -> None:
     """Cheap: the data source (and eval source) is a spec the loaders know, its file exists,
     and the optional package it needs is installed."""
@@ -126,6 +133,7 @@ def check_run(s: RunSettings) -> None:
     check_model_dir(s)
     check_data_source(s)
     check_reward(s)
+    check_workflow(s)
     check_data(s)
 
 
@@ -134,7 +142,7 @@ def check_run(s: RunSettings) -> None:
 # on another host may get the model some other way than the launcher's path.
 ROLE_CHECKS: dict[str, tuple[Callable[[RunSettings], None], ...]] = {
     "controller": (check_data_source,),
-    "rollout": (lambda s: check_extras(s, ("rollout.engine",)),),
+    "rollout": (lambda s: check_extras(s, ("rollout.engine",)), check_workflow),
     "reward": (check_reward,),
     "trainer": (lambda s: check_extras(s, ("train.engine",)),),
 }
