@@ -145,14 +145,18 @@ class BatchInfo(BaseModel):
     samples: int
     tokens: int
     gen_len_mean: float
-    staleness_max: int = Field(description="largest sample lag (from its oldest token)")
+    staleness_max: int = Field(description="largest sample lag (from its oldest model token)")
     staleness_hist: dict[str, int] = Field(description="sample lag -> samples")
-    staleness_hist_tokens: dict[str, int] = Field(description="token lag -> tokens")
+    staleness_hist_tokens: dict[str, int] = Field(description="model token lag -> tokens")
     token_version_min: int
     token_version_max: int
     interrupted_frac: float = Field(description="samples whose generation switched weights")
     reprefill_tokens: int
     truncated_frac: float = Field(0.0, description="samples that hit max_new_tokens")
+    masked_token_frac: float = Field(
+        0.0,
+        description="environment tokens (tool output, user turns: loss mask 0) / output tokens",
+    )
     task_seqs: list[int] = Field(
         default_factory=list,
         description="admission seq of each task trained in this step (audits: none twice)",

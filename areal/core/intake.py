@@ -7,7 +7,9 @@ and `checkpoint` / `checkpoint_written` around its durable write.
 
 Invariants:
 - never picks a group whose oldest token was generated at a version `< version - η`: such a
-  group is retired as `dropped_stale` (counted, its slot returned), never silently;
+  group is retired as `dropped_stale` (counted, its slot returned), never silently; a token
+  here is a model token (`model_versions`): the environment tokens of an episode (tool
+  output, user turns; version -1) were made by no policy, so they age nothing;
 - batches are the B oldest (by admission seq) complete fresh groups, and a batch skips an
   older open task (one still generating) only after `straggler_wait_s` (the caller's clock,
   `now`): a skipped task is the one most likely to go stale, so skipping it wastes its
@@ -47,16 +49,40 @@ from areal.algo.staleness import is_fresh, sample_staleness, staleness_histogram
 from schemas import ScoredSample
 from schemas.state import Accounting, BatchInfo, CheckpointState, StepRecord, TrainerState
 
-__all__ = ["Filed", "Group", "Intake", "IntakePolicy", "Pick", "Retired", "token_versions"]
+__all__ = [
+    "Filed",
+    "Group",
+    "Intake",
+    "IntakePolicy",
+    "Pick",
+    "Retired",
+    "loss_mask",
+    "model_versions",
+    "token_versions",
+]
 
 H = TypeVar("H")
 RetireReason = Literal["dropped_stale", "filtered", "rejected"]
 
 
 def token_versions(scored: ScoredSample) -> np.ndarray:
-    """Per-token policy versions of a sample, `[T]` int64."""
+    """Per-token policy versions of a sample, `[T]` int64 (environment tokens: -1)."""
     v = scored.sample.versions
     return np.frombuffer(v.data, dtype="<i4" if v.dtype == "int32" else "<i8").astype(np.int64)
+
+
+def loss_mask(scored: ScoredSample) -> np.ndarray | None:
+    """`[T]` bool: which output tokens the model generated (True) and which the environment
+    added (False); None: every one is the model's (`Sample.loss_mask`)."""
+    m = scored.sample.loss_mask
+    return None if m is None else np.frombuffer(m.data, dtype=np.uint8).astype(bool)
+
+
+def model_versions(scored: ScoredSample) -> np.ndarray:
+    """Policy versions of a sample's model tokens, `[T_model]` int64: what its staleness is
+    measured from (environment tokens are left out)."""
+    v, m = token_versions(scored), loss_mask(scored)
+    return v if m is None else v[m]
 
 
 @dataclass(frozen=True)
@@ -91,8 +117,8 @@ class Group(Generic[H]):
         return [self.samples[i] for i in sorted(self.samples)]
 
     def min_version(self) -> int | None:
-        """Version of the group's oldest token (None when no sample has a token)."""
-        mins = [int(v.min()) for v in map(token_versions, self.samples.values()) if len(v)]
+        """Version of the group's oldest model token (None when no sample has one)."""
+        mins = [int(v.min()) for v in map(model_versions, self.samples.values()) if len(v)]
         return min(mins) if mins else None
 
 
@@ -358,11 +384,12 @@ class Intake(Generic[H]):
         v = self.state.version
         scored = [sc for g in batch for sc in g.ordered()]
         rewards = np.array([sc.reward for sc in scored], dtype=np.float64)
-        versions = [token_versions(sc) for sc in scored]
-        lens = [len(x) for x in versions]
+        lens = [len(sc.sample.output_ids) for sc in scored]
+        versions = [model_versions(sc) for sc in scored]  # staleness: of model tokens only
         sample_mins = [int(x.min()) for x in versions if len(x)]
         all_tokens = np.concatenate(versions) if versions else np.zeros(0, np.int64)
         n = len(scored)
+        n_env = sum(lens) - len(all_tokens)
         return BatchInfo(
             reward_mean=float(rewards.mean()) if n else 0.0,
             reward_std=float(rewards.std()) if n else 0.0,
@@ -377,6 +404,7 @@ class Intake(Generic[H]):
             interrupted_frac=sum(sc.sample.n_interrupts > 0 for sc in scored) / max(1, n),
             reprefill_tokens=sum(sc.sample.n_reprefill_tokens for sc in scored),
             truncated_frac=sum(sc.sample.finish_reason == "length" for sc in scored) / max(1, n),
+            masked_token_frac=n_env / sum(lens) if sum(lens) else 0.0,
             task_seqs=[g.task_seq for g in batch],
             **batch_timings(batch, now),
         )

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 from areal.algo.staleness import admission_capacity, sample_staleness
 from areal.core.admission import Admission, AdmissionPolicy
-from areal.core.intake import Filed, Intake, IntakePolicy, token_versions
+from areal.core.intake import Filed, Intake, IntakePolicy, model_versions
 from areal.core.scheduling import Scheduler, SchedulerPolicy
 from areal.core.sim_streams import Msg, SimLease, Stream, expire
 from schemas import Sample, ScoredSample
@@ -433,7 +433,7 @@ class Sim:
         for group in batch:
             self._end(group.task_id, "trained")
             for sc in group.samples.values():
-                lag = sample_staleness(v, int(token_versions(sc).min()))
+                lag = sample_staleness(v, int(model_versions(sc).min()))
                 if lag > eta:
                     self.found.append(f"trained {sc.sample.sample_id} of staleness {lag} > {eta}")
         intake.commit_step(batch, version=v + 1, wall_s=float(self.n_events))

@@ -116,13 +116,23 @@ class TrainSeq:
     versions: torch.Tensor  # [T] int64
     adv: float  # GRPO advantage of the sample (γ=λ=1: same for every token)
     prox_logp: torch.Tensor | None = None  # [T] filled by the trainer before the update
+    # [T] bool: True = a model token (in the loss), False = an environment token (tool output,
+    # user turn: never trained, not counted in the loss's token denominator); None = all True
+    loss_mask: torch.Tensor | None = None
+
+    def n_loss_tokens(self) -> int:
+        """Tokens in the loss (the loss-mask count): what the token denominator sums."""
+        if self.loss_mask is None:
+            return len(self.output_ids)
+        return int(self.loss_mask.sum())
 
 
 class TrainEngine(Protocol):
     version: int
 
     def compute_logp(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> list[torch.Tensor]:
-        """Per-token log-probs of each seq's output tokens under the current weights (no grad)."""
+        """Per-token log-probs of each seq's output tokens under the current weights (no grad):
+        of every output token, environment tokens too (the loss just leaves those out)."""
         ...
 
     def train_step(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> dict[str, float]:

@@ -58,6 +58,7 @@ from areal.engines.torch_train import (
     TorchTrainEngine,
     check_seqs,
     fill_prox_logp,
+    loss_tokens,
     microbatch_loss,
     minibatch_prox_mode,
     split_contiguous,
@@ -188,7 +189,7 @@ class FSDPTrainEngine:
         self, chunk: list[TrainSeq], max_tokens: int, totals: _StepTotals, prox_mode: str
     ) -> None:
         """One optimizer step over ``chunk`` (this rank's share of its micro-batches)."""
-        denom = float(sum(len(s.output_ids) for s in chunk))  # loss tokens of the minibatch
+        denom = loss_tokens(chunk)
         mbs = [
             [chunk[i] for i in mb if len(chunk[i].output_ids) > 0]
             for mb in self.fwd.micro_batches(chunk, max_tokens)

@@ -126,7 +126,7 @@ class TorchTrainEngine:
         params = [p for p in self.model.parameters() if p.requires_grad]
         for k, chunk in enumerate(chunks):
             prox_mode = minibatch_prox_mode(cfg, self.prox_logp, k)
-            denom = float(sum(len(s.output_ids) for s in chunk))  # loss tokens of this minibatch
+            denom = loss_tokens(chunk)
             self.optimizer.zero_grad(set_to_none=True)
             chunk_outs = []
             for mb in self.fwd.micro_batches(chunk, max_tokens_per_mb):
@@ -248,8 +248,16 @@ def check_seqs(seqs: list[TrainSeq]) -> None:
             raise ValueError(
                 "TrainSeq output_ids, behav_logp and versions must have the same shape"
             )
+        if s.loss_mask is not None and s.loss_mask.shape != s.output_ids.shape:
+            raise ValueError("TrainSeq loss_mask must have the shape of output_ids")
         if len(s.prompt_ids) == 0:
             raise ValueError("TrainSeq with an empty prompt")
+
+
+def loss_tokens(chunk: list[TrainSeq]) -> float:
+    """The token denominator of a minibatch's loss: its loss-mask tokens (DESIGN section 5:
+    sum over loss-mask tokens / their number), so environment tokens dilute nothing."""
+    return float(sum(s.n_loss_tokens() for s in chunk))
 
 
 def fill_prox_logp(
@@ -289,8 +297,10 @@ def microbatch_loss(
 ) -> PPOLossOutput:
     """Forward one micro-batch with grad and return its decoupled-PPO loss (not yet backwarded).
 
-    Per-token adv = the seq's adv on every output token; loss mask = all output tokens. The
-    per-token entropy of the same forward goes into the stats (no grad). `prox_mode`:
+    Per-token adv = the seq's adv on every output token; loss mask = each seq's `loss_mask`
+    (model tokens; all output tokens when None), which keeps environment tokens out of the
+    loss, its gradient and every stat. The per-token entropy of the same forward goes into the
+    stats (no grad). `prox_mode`:
     "recompute" takes each seq's `prox_logp`; "current" the detached log-probs of this very
     forward (the proximal policy when no update happened yet this step); "loglinear"
     interpolates between behaviour and current log-probs by version.
@@ -299,7 +309,14 @@ def microbatch_loss(
     logp, entropy = torch.cat(logps), torch.cat(ents)  # [N], [N]
     behav = torch.cat([s.behav_logp for s in seqs]).to(device, torch.float32)
     adv = torch.cat([torch.full((len(s.output_ids),), float(s.adv)) for s in seqs]).to(device)
-    mask = torch.ones_like(logp, dtype=torch.bool)
+    mask = torch.cat(
+        [
+            s.loss_mask.bool()
+            if s.loss_mask is not None
+            else torch.ones(len(s.output_ids), dtype=torch.bool)
+            for s in seqs
+        ]
+    ).to(device)  # [N]
     if not cfg.decoupled:
         prox = behav  # unused by the loss
     elif prox_mode == "current":  # the weights being trained, before their first update

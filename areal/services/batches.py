@@ -8,7 +8,7 @@ import torch
 from areal.algo.advantages import grpo_advantages
 from areal.bus.client import Lease
 from areal.bus.codec import unpack
-from areal.core.intake import Group, token_versions
+from areal.core.intake import Group, loss_mask, token_versions
 from areal.engines.base import TrainSeq
 
 
@@ -25,7 +25,10 @@ def to_train_seqs(
 
     `mask_truncated` (`rollout.overlong: mask`, DAPO's overlong filtering): a sample cut at
     `max_new_tokens` keeps its reward in its group's baseline but gets advantage 0, so its tokens
-    add no gradient (they still count in the token normaliser)."""
+    add no gradient (they still count in the token normaliser).
+
+    A multi-turn sample's environment tokens (`Sample.loss_mask` 0) get loss mask False: no
+    gradient, and not counted in the token normaliser."""
     adv = grpo_advantages(  # [B, G]
         torch.tensor(rewards, dtype=torch.float32), norm_std=norm_std, batch_norm=batch_norm
     )
@@ -33,12 +36,14 @@ def to_train_seqs(
     for gi, group in enumerate(batch):
         for si, scored in enumerate(group.ordered()):
             s = scored.sample
+            mask = loss_mask(scored)
             seqs.append(
                 TrainSeq(
                     prompt_ids=torch.from_numpy(unpack(s.prompt_ids).astype(np.int64)),
                     output_ids=torch.from_numpy(unpack(s.output_ids).astype(np.int64)),
                     behav_logp=torch.from_numpy(unpack(s.behav_logp).copy()),
                     versions=torch.from_numpy(token_versions(scored)),
+                    loss_mask=None if mask is None else torch.from_numpy(mask),
                     adv=0.0
                     if mask_truncated and s.finish_reason == "length"
                     else float(adv[gi, si]),

@@ -291,3 +291,43 @@ def test_returned_slots_reach_admission_only_once_a_checkpoint_covers_them() -> 
     restored: Intake[str] = Intake(IntakePolicy(1, 2, max_staleness=0))
     restored.restore(ckpt)
     assert restored.kv_state().returned == 1 and not restored.retired_unwritten
+
+
+def episode(seq: int, idx: int, versions: list[int], reward: float = 1.0) -> ScoredSample:
+    """Sample `idx` of task `t{seq}` (a group of 2), a multi-turn episode: tokens of version -1
+    are environment tokens (loss mask 0), the others the model's."""
+    sc = scored(seq, idx, versions, reward)
+    mask = pack([int(v != -1) for v in versions], "uint8")
+    return sc.model_copy(update={"sample": sc.sample.model_copy(update={"loss_mask": mask})})
+
+
+def test_an_episodes_staleness_is_that_of_its_oldest_model_token() -> None:
+    """Environment tokens (version -1) were made by no policy: they age nothing. Here lag is
+    measured from the oldest model token: t0's is v1 (lag 3 - 1 = 2 > η = 1: dropped), t1's
+    v2 (lag 1: fresh), although both hold tokens of version -1 (lag 4 if they counted)."""
+    intake: Intake[str] = Intake(IntakePolicy(1, 2, max_staleness=1), TrainerState(version=3))
+    t0 = [episode(0, i, [1, 1, -1, -1, 3]) for i in range(2)]
+    t1 = [episode(1, 0, [2, -1, -1, 3, 3], reward=1.0), episode(1, 1, [-1, 3, -1, 3], reward=0)]
+    assert intake.file(t0, "h0") is Filed.COMPLETED
+    assert intake.file(t1, "h1") is Filed.COMPLETED
+    pick = intake.take_batch()
+    assert [(r.task_id, r.reason, r.min_version) for r in pick.retired] == [
+        ("t0", "dropped_stale", 1)
+    ]
+    assert pick.batch is not None and [g.task_id for g in pick.batch] == ["t1"]
+    assert pick.batch[0].min_version() == 2
+
+    info = intake.batch_info(pick.batch)
+    assert (info.samples, info.tokens) == (2, 9)  # every output token, the environment's too
+    assert info.staleness_max == 1 and info.staleness_hist == {"0": 1, "1": 1}
+    assert info.staleness_hist_tokens == {"0": 4, "1": 1}  # model tokens 2, 3, 3, 3, 3
+    assert (info.token_version_min, info.token_version_max) == (2, 3)
+    assert info.masked_token_frac == 4 / 9  # environment tokens / output tokens
+
+
+def test_single_turn_batches_have_no_masked_tokens() -> None:
+    intake: Intake[str] = Intake(IntakePolicy(1, 2, max_staleness=4), TrainerState(version=4))
+    intake.file([scored(0, 0, [2, 2, 3]), scored(0, 1, [3, 3], reward=0.0)], "a")
+    pick = intake.take_batch()
+    assert pick.batch is not None
+    assert intake.batch_info(pick.batch).masked_token_frac == 0.0

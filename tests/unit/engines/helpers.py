@@ -68,3 +68,52 @@ def train_engine(model_dir: str, **kw):
 
     kw.setdefault("lr", 1e-4)
     return TorchTrainEngine(TrainEngineConfig(kind="torch", model_path=model_dir, **kw))
+
+
+def generate_episodes(
+    engine, prompts: list[list[int]], *, turns: int = 3, max_new_tokens: int = 5, temperature=1.0
+):
+    """Multi-turn episodes of `prompts` on a real inference engine: each turn generates from
+    the prompt and the episode so far (all episodes decode together), then the environment
+    answers with a few fixed tokens (what a tool's output would be, never trained). Returns
+    one `Episode` per prompt."""
+    from areal.engines.base import GenRequest, SamplingParams
+    from areal.workflows.api import Episode, Generation, Segment
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
+    episodes = [Episode(segments=[], finish_reason="stop", n_turns=turns) for _ in prompts]
+    for turn in range(turns):
+        reqs = [
+            GenRequest(f"e{i}#{turn}", p + [t for s in ep.segments for t in s.ids])
+            for i, (p, ep) in enumerate(zip(prompts, episodes, strict=True))
+        ]
+        outs = engine.generate(reqs, params=params)
+        for i, (ep, out) in enumerate(zip(episodes, outs, strict=True)):
+            gen = Generation(out.output_ids, out.behav_logp, out.versions, out.finish_reason)
+            ep.segments.append(Segment.model(gen))
+            if turn < turns - 1:  # the environment answers between turns
+                ep.segments.append(Segment.env([3 + i, 7, 11 + turn, 2][: 2 + turn]))
+    return episodes
+
+
+def episode_sample(prompt: list[int], ep, *, sample_idx: int = 0, group_size: int = 1):
+    """The `Sample` a rollout publishes for an episode: the segments' tokens in order, model
+    tokens with their log-probs and versions, environment tokens with 0.0 / -1 and mask 0."""
+    from areal.bus.codec import pack
+    from schemas import Sample
+
+    segs = ep.segments
+    mask = [int(s.trained) for s in segs for _ in s.ids]
+    return Sample(
+        task_id="run-t0",
+        task_seq=0,
+        sample_idx=sample_idx,
+        group_size=group_size,
+        prompt_ids=pack(prompt, "int32"),
+        output_ids=pack([t for s in segs for t in s.ids], "int32"),
+        behav_logp=pack([x for s in segs for x in s.behav_logp], "float32"),
+        versions=pack([v for s in segs for v in s.versions], "int32"),
+        loss_mask=None if all(mask) else pack(mask, "uint8"),
+        finish_reason=ep.finish_reason,
+        n_turns=ep.n_turns,
+    )
