@@ -41,3 +41,28 @@ def test_a_redone_step_overwrites_its_record(model_dir, tmp_path):
     (only,) = step_files(tmp_path)
     seqs, _ = load_step(only)
     assert torch.equal(seqs[0].prompt_ids, make_seqs(seed=2)[0].prompt_ids)
+
+
+def test_an_episode_batch_is_recorded_with_its_mask_and_an_old_record_still_loads(
+    model_dir, tmp_path
+):
+    from dataclasses import asdict, replace
+
+    seqs = make_seqs(seed=4)
+    masked = [replace(s, loss_mask=torch.arange(len(s.output_ids)) % 3 != 1) for s in seqs]
+    rec = BatchRecorder(train_engine(model_dir), tmp_path)
+    want = rec.train_step(with_behav(rec, masked), 16)
+    (path,) = step_files(tmp_path)
+    back, _ = load_step(path)
+    assert all(torch.equal(a.loss_mask, b.loss_mask) for a, b in zip(back, masked, strict=True))
+    got = replay(train_engine(model_dir), tmp_path)[0]
+    assert got["loss"] == want["loss"] and got["n_tokens"] == want["n_tokens"]
+    assert want["n_tokens"] == sum(int(s.loss_mask.sum()) for s in masked)
+    # a record written before loss masks existed (no such key): every token trained
+    record = torch.load(path, weights_only=True)
+    record["seqs"] = [
+        {k: v for k, v in asdict(s).items() if k != "loss_mask"} for s in make_seqs(seed=4)
+    ]
+    torch.save(record, path)
+    old, _ = load_step(path)
+    assert all(s.loss_mask is None for s in old)
