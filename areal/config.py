@@ -30,6 +30,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from areal.core.watchdog import HEARTBEAT_S, MIN_FROZEN_AFTER_S
 from areal.data.prompts import PromptSettings
 from areal.logging import LogFormat, LogLevel
 
@@ -543,11 +544,12 @@ class TrainSettings(_Part):
         "log-probs and gradients)",
     )
     checkpoint_every: int = Field(1, ge=1, description="steps between trainer checkpoints")
-    checkpoint_retry_s: float = Field(
-        300.0,
+    storage_pause_max_s: float | None = Field(
+        None,
         gt=0,
-        description="how long a failing checkpoint write (full disk, unwritable dir) is retried "
-        "while training waits, before the trainer stops with the reason (s)",
+        description="how long a trainer write failing on a full or failing disk (weights, "
+        "checkpoint, metrics, summary, final model) pauses training, retried with backoff, "
+        "before the trainer stops with the reason (s); None = until the write lands",
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads for the trainer")
 
@@ -559,6 +561,28 @@ class TrainSettings(_Part):
                 "or deepspeed, or train.nproc=1"
             )
         return self
+
+
+class WatchdogSettings(_Part):
+    """Liveness of the workers (`areal.core.watchdog`; `areal run` runs the watchdog)."""
+
+    frozen_after_s: float = Field(
+        30.0,
+        ge=MIN_FROZEN_AFTER_S,
+        le=86400.0,
+        description=f"a worker whose heartbeats (one every {HEARTBEAT_S:g} s) stop for this "
+        "long is named frozen: a `worker_frozen` event, and `areal run` SIGKILLs and restarts "
+        f"it (s; at least {MIN_FROZEN_AFTER_S:g}, 2.5 heartbeats). The work it held comes "
+        "back nats.ack_wait_s after its last lease heartbeat, killed or not",
+    )
+    startup_s: float = Field(
+        1800.0,
+        ge=MIN_FROZEN_AFTER_S,
+        le=86400.0,
+        description="the same for a worker `areal run` started that has sent no heartbeat "
+        "yet: model load, warm start, waiting for the run's streams or for its role lock (s; "
+        "frozen_after_s when that is longer)",
+    )
 
 
 def _upper(v: object) -> object:
@@ -613,6 +637,7 @@ class RunSettings(BaseSettings):
     reward: RewardSettings = Field(default_factory=RewardSettings)
     train: TrainSettings = Field(default_factory=TrainSettings)
     eval: EvalSettings = Field(default_factory=EvalSettings)
+    watchdog: WatchdogSettings = Field(default_factory=WatchdogSettings)
 
     @classmethod
     def settings_customise_sources(

@@ -111,6 +111,7 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService | RankZeroService:
         total_steps=t.total_steps,
         max_tokens_per_mb=t.max_tokens_per_mb,
         checkpoint_every=t.checkpoint_every,
+        storage_pause_max_s=t.storage_pause_max_s,
         adv_norm_std=a.adv_norm_std,
         adv_batch_norm=a.adv_batch_norm,
         weights_dtype=v.model.dtype,

@@ -19,13 +19,20 @@ Invariants:
 - a worker that exits with `EXIT_CONFIG` (a deterministic failure) is not restarted: the run
   stops with its one-line reason; other crashes are restarted up to `max_restarts` times, and
   a worker that ran `HEALTHY_S` before it exited has its budget back; an exit because the bus
-  was away (`EXIT_BUS_UNAVAILABLE`) does not spend the budget;
+  was away (`EXIT_BUS_UNAVAILABLE`) does not spend the budget; a worker other than the trainer
+  that exits 0 before the run finished (stopped by a signal from elsewhere) is restarted as a
+  crash is;
+- a worker whose heartbeats stop for `watchdog.frozen_after_s` (frozen: SIGSTOPped, a hung
+  event loop) is named in a `worker_frozen` event, SIGKILLed and restarted as a crash is
+  (`areal.launch.watchdog`); `worker_recovered` reports what its freeze cost the run;
 - with `train.nproc` N > 1 the trainer is a group of N local ranks (`trainer-0` is rank 0,
   `trainer-0.rank<r>` the others; RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT
   set, a fresh port per start): the group lives and dies whole. A rank that fails stops the
   others, and the group is restarted from the trainer's checkpoint as the trainer would be
   (same budget, same exit rules, judged by rank 0's exit code or the first failed rank's);
 - a dead embedded nats-server is restarted on the same store, port and accounts, and said so;
+  so is one whose store hit a write error (a full disk: nats-server writes that stream no more
+  until restarted), once the store's disk has room again (`areal.launch.store_watch`);
 - the embedded server has one account per role of the run (`areal.bus.nats_config`), their
   credentials in `<out>/keys/nats/<role>.json` (0600), kept on `--resume`; config.json names
   that dir (`nats.credentials_dir`) and each worker connects with its own role's file;
@@ -60,10 +67,13 @@ from areal.bus.errors import RunConflictError
 from areal.bus.nats_config import authorization_block, ensure_accounts
 from areal.bus.streams import StorageLimitError
 from areal.config import ConfigError, RunSettings
+from areal.core.watchdog import WatchdogPolicy
 from areal.launch import run_dir
 from areal.launch.declare import declare_run_now
 from areal.launch.join import public_url_of, share_run
 from areal.launch.preflight import check_run
+from areal.launch.store_watch import StoreWatch
+from areal.launch.watchdog import LauncherWatchdog
 from areal.launch.worker import EXIT_BUS_UNAVAILABLE, EXIT_CONFIG, resolve_model_path
 from areal.proc import child_setup, format_cpu_list
 from areal.security.keys import KeysError, ensure_run_keys, keys_dir_of
@@ -130,16 +140,19 @@ def on_worker_exit(
     max_restarts: int,
     *,
     outage_restarts: int = 0,
+    run_finished: bool,
 ) -> Supervision:
     """What the launcher does when worker `wid` has exited with `returncode`.
 
     The trainer exiting 0 finishes the run (the caller checks that it reached total_steps:
-    `trainer_finished`); another role exiting 0 is done (the run finished);
+    `trainer_finished`); another role exiting 0 is done once the run finished
+    (`run_finished`: they stop on `run_finished`), and before that it was stopped from outside
+    (a SIGTERM sent to it alone) and is restarted as a crash is;
     `EXIT_CONFIG` is deterministic and never restarted; `EXIT_BUS_UNAVAILABLE` (the server was
     away, not the worker's fault) is restarted without spending the budget, up to
     `MAX_OUTAGE_RESTARTS`; any other exit is restarted until `max_restarts`, then the run gives
     up. The caller resets both counts after a healthy period (`HEALTHY_S` of uptime)."""
-    if returncode == 0:
+    if returncode == 0 and (wid == TRAINER or run_finished):
         return "finished" if wid == TRAINER else "ignore"
     if returncode == EXIT_CONFIG:
         return "config_error"
@@ -173,9 +186,16 @@ class Launcher:
         self._cfg_path: Path | None = None
         self._env: dict[str, str] = {}
         self.server: EmbeddedNats | None = None
+        self.store_watch: StoreWatch | None = None  # restarts a server whose disk was full
         self._home_cpus: frozenset[int] | None = None  # cpu_affinity set: the launcher's cores
         self.stop_signal: int | None = None  # the SIGTERM that stopped the run, if one did
         self._stopping = False  # stop_all is due: a SIGTERM then changes nothing
+        self.last_step = 0  # the highest step record the trainer published (seen live)
+        w = settings.watchdog
+        self.watchdog = LauncherWatchdog(
+            WatchdogPolicy(frozen_after_s=w.frozen_after_s, startup_s=w.startup_s),
+            kill=self._kill_frozen,
+        )
 
     def check(self) -> run_dir.ResumePoint | None:
         """Every check before anything starts; raises `ConfigError`. Returns the resume point
@@ -247,7 +267,9 @@ class Launcher:
                 host=n.listen_host,
                 authorization=authorization,
                 cpus=self._cpus("nats"),
+                monitor_port=free_port(),
             ).start()
+            self.store_watch = StoreWatch(self.server)
             self.s.nats.url = self.server.url
         # before any worker starts: a worker on another host joins from these files
         public_url = self.server.public_url if self.server else public_url_of(self.s.nats.url)
@@ -319,6 +341,18 @@ class Launcher:
         )
         logf.close()
         self.started_at[wid] = time.monotonic()
+        if wid not in self.followers:  # ranks > 0 of a trainer group send no heartbeats
+            self.watchdog.started(wid, role, self.procs[wid].pid)
+
+    def _kill_frozen(self, wid: str) -> int | None:
+        """SIGKILL worker `wid` (frozen) if this launcher runs it; its exit is then a crash
+        (`_supervise` restarts it). The pid killed, or None."""
+        p = self.procs.get(wid)
+        if p is None or p.poll() is not None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            p.kill()  # a stopped (SIGSTOP) process dies of SIGKILL too
+        return p.pid
 
     def _watch_server(self) -> int | None:
         """Restart the embedded nats-server on its store and port if it died (workers ride
@@ -379,6 +413,8 @@ class Launcher:
         else None."""
         if (rc := self._watch_server()) is not None:
             return rc
+        if self.store_watch is not None:
+            self.store_watch.check()  # a store write error (full disk): restart once there is room
         # the trainer first: its clean exit ends the run whatever the others do meanwhile
         for wid, p in sorted(self.procs.items(), key=lambda kv: kv[0] != TRAINER):
             if wid in self.followers:
@@ -387,13 +423,19 @@ class Launcher:
             src, returncode = self._trainer_group_exit() if wid == TRAINER else (wid, p.poll())
             if returncode is None:
                 continue
+            self.watchdog.exited(wid, p.pid)
             if time.monotonic() - self.started_at.get(wid, 0.0) >= HEALTHY_S:
                 self.restarts.pop(wid, None)  # a healthy period: the budget is back
                 self.outage_restarts.pop(wid, None)
             restarts = self.restarts.get(wid, 0)
             outages = self.outage_restarts.get(wid, 0)
             action = on_worker_exit(
-                wid, returncode, restarts, self.max_restarts, outage_restarts=outages
+                wid,
+                returncode,
+                restarts,
+                self.max_restarts,
+                outage_restarts=outages,
+                run_finished=self._run_finished(),
             )
             if action == "finished":
                 if trainer_finished(self.out, self.s.train.total_steps):
@@ -435,10 +477,28 @@ class Launcher:
                     worker=wid,
                     exit_code=returncode,
                     restarts=restarts + 1,
-                    cause=self._cause(src),
+                    cause=self._exit_cause(wid, src, returncode),
                 )
                 self._start(wid)
         return None
+
+    def _run_finished(self) -> bool:
+        """The trainer reached `train.total_steps`: its summary says so, or its step record
+        did (the controller stops on the trainer's `done`, which comes before the summary)."""
+        total = self.s.train.total_steps
+        return self.last_step >= total or trainer_finished(self.out, total)
+
+    def _exit_cause(self, wid: str, src: str, returncode: int) -> str:
+        """Why worker `wid` is restarted: the watchdog's kill, a clean exit mid-run, or its log."""
+        frozen = self.watchdog.frozen.pop(wid, None)
+        if frozen is not None:
+            return (
+                f"frozen: no heartbeat for {frozen.silent_s:.1f} s "
+                "(watchdog.frozen_after_s); killed by the watchdog"
+            )
+        if returncode == 0:
+            return "exited 0 before the run finished (stopped by a signal from elsewhere)"
+        return self._cause(src)
 
     def _trainer_group_exit(self) -> tuple[str, int | None]:
         """The trainer's exit code, for a group of ranks the group's: rank 0's once it exited,
@@ -482,6 +542,10 @@ class Launcher:
 
         async def on_step(rec: MetricRecord) -> None:
             progress.update(rec.values)
+            step = rec.values.get("step")
+            if isinstance(step, int):
+                self.last_step = max(self.last_step, step)
+                self.watchdog.on_step(step)
 
         # the progress bar is a view: the run goes on without it (declare=False: the workers
         # own the run's streams)
@@ -489,12 +553,15 @@ class Launcher:
             self.s.nats.url, self.s.run_id, "launcher", "launcher", self.s.nats, declare=False
         )
         await bus.subscribe_metrics("trainer", "step", on_step)
+        await self.watchdog.attach(bus)
         try:
             with progress:
                 while (rc := self._supervise()) is None:
+                    self.watchdog.tick()
                     await asyncio.sleep(0.2)
                 return rc
         finally:
+            await self.watchdog.close()
             await bus.close()
 
     def run(self) -> int:
@@ -550,4 +617,6 @@ class Launcher:
             print(f"run finished in {time.time() - t0:.1f}s; artifacts in {self.out}/")
         elif rc not in (0, EXIT_INTERRUPTED, EXIT_TERMINATED):
             print(f"run failed (exit {rc}); logs in {self.out}/logs/", file=sys.stderr)
+        for line in self.watchdog.report():  # what frozen workers cost the run
+            print(line, file=sys.stdout if rc == 0 else sys.stderr)
         return rc

@@ -6,7 +6,9 @@ module, so a number means the same thing everywhere. Invariants:
   order-tolerant (history replay and live messages may interleave);
 - every derived figure takes `now` as an argument, so it is testable without a clock;
 - rates come from counters and timestamps carried by the messages themselves (heartbeat
-  counters, step `wall_s`), so a replayed history yields the same rates as watching live.
+  counters, step `wall_s`), so a replayed history yields the same rates as watching live;
+- a storage pause (`storage_full` / `write_failed` ... `storage_recovered`, keyed by worker
+  and the pause's `since`) is open until its recovery is folded, in whichever order they come.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ SEEN_S = 120.0  # a worker heard from within this many seconds is still listed
 RATE_WINDOW_S = 20.0
 STEP_RATE_WINDOW = 5  # steps
 ROLES = ("controller", "rollout", "reward", "trainer")
+STORAGE_PAUSED = ("storage_full", "write_failed")
+WATCHDOG_EVENTS = ("worker_frozen", "worker_recovered")  # the launcher's, about a worker
 
 
 @dataclass
@@ -42,6 +46,8 @@ class WorkerView:
     values: dict[str, Any] = field(default_factory=dict)  # latest heartbeat values
     # (time, cumulative samples, cumulative tokens) from heartbeats
     counters: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=64))
+    # its latest `worker_frozen` report (the watchdog's), until it or its restart beats again
+    frozen: dict[str, Any] | None = None
 
     @property
     def idle_frac(self) -> float | None:
@@ -74,6 +80,8 @@ class RunState:
     # observed work-queue traffic: role -> [(time, tokens)], and when observation began
     activity: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     observing_since: float | None = None
+    # storage pauses: "<worker>@<since>" -> the pause's event detail (+ "recovered": its detail)
+    storage: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ folding
     def fold(self, msg: Message, received_at: float | None = None) -> None:
@@ -104,6 +112,8 @@ class RunState:
         w = self._worker(rec.role, rec.worker_id, rec.time)
         v = rec.values
         if rec.type == "heartbeat":
+            if w.frozen is not None and rec.time > w.frozen["_time"]:
+                w.frozen = None  # it (or its restart) beats again
             if not w.values or rec.time >= w.values.get("_time", 0.0):
                 w.values = {**v, "_time": rec.time}
             if "samples" in v or "tokens" in v:
@@ -119,10 +129,35 @@ class RunState:
     def fold_event(self, ev: Event) -> None:
         self.events[ev.type] += 1
         self.recent_events.append((ev.time, ev.type, ev.worker_id))
-        if ev.worker_id:
+        if ev.type in WATCHDOG_EVENTS:
+            self.fold_watchdog(ev)
+        elif ev.worker_id:
             self._worker(ev.role, ev.worker_id, ev.time)
         if ev.type == "run_finished":
             self.finished = dict(ev.detail)
+        if ev.type in (*STORAGE_PAUSED, "storage_recovered") and "since" in ev.detail:
+            pause = self.storage.setdefault(f"{ev.worker_id}@{ev.detail['since']}", {})
+            if ev.type == "storage_recovered":
+                pause["recovered"] = dict(ev.detail)
+            else:
+                pause.update(ev.detail, kind=ev.type, worker_id=ev.worker_id)
+
+    def fold_watchdog(self, ev: Event) -> None:
+        """The launcher's watchdog about a worker (`detail.worker_id`): mark it frozen, or not.
+        The launcher itself is no worker, and the report is no sign of life of the worker."""
+        wid, role = ev.detail.get("worker_id"), ev.detail.get("role")
+        if not isinstance(wid, str) or not isinstance(role, str):
+            return
+        w = self.workers.get(wid)
+        if ev.type == "worker_recovered":
+            if w is not None and w.frozen is not None and ev.time >= w.frozen["_time"]:
+                w.frozen = None
+            return
+        if w is None:
+            silent_s = float(ev.detail.get("silent_s") or 0.0)
+            w = self.workers[wid] = WorkerView(role, wid, ev.time - silent_s)
+        if w.frozen is None or ev.time >= w.frozen["_time"]:
+            w.frozen = {**ev.detail, "_time": ev.time}
 
     def fold_dead_letter(self, dl: DeadLetter) -> None:
         self.dlq[dl.stage] += 1
@@ -138,6 +173,16 @@ class RunState:
         self.queues = stats
 
     # ------------------------------------------------------------------ derived
+    def storage_pause(self) -> dict[str, Any] | None:
+        """The storage pause under way (the latest, if several workers pause), or None."""
+        open_ = [p for p in self.storage.values() if "recovered" not in p and "kind" in p]
+        return max(open_, key=lambda p: float(p["since"]), default=None)
+
+    def last_storage_recovery(self) -> dict[str, Any] | None:
+        """The detail of the latest `storage_recovered` (`paused_s`, `path`, ...), or None."""
+        done = [p["recovered"] for p in self.storage.values() if "recovered" in p]
+        return max(done, key=lambda r: float(r["since"]), default=None)
+
     def step_records(self) -> list[dict[str, Any]]:
         return [self.steps[k] for k in sorted(self.steps)]
 

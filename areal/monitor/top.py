@@ -82,7 +82,8 @@ def run_panel(st: RunState, now: float) -> Panel:
     last = st.last_step or {}
     tr, ctrl = st.kv.get("trainer", {}), st.kv.get("controller", {})
     rate = st.step_rate()
-    status = "finished" if st.finished or tr.get("done") else "running"
+    pause = st.storage_pause()
+    status = "finished" if st.finished or tr.get("done") else "paused" if pause else "running"
     lines = [
         f"run {st.run_id}  [{status}]",
         f"policy version {st.version}   step {last.get('step', tr.get('step', 0))}",
@@ -95,7 +96,30 @@ def run_panel(st: RunState, now: float) -> Panel:
         f"  filtered {tr.get('filtered', last.get('filtered', '-'))}"
         f"  rejected {tr.get('rejected', last.get('rejected', 0))}",
     ]
+    if (line := storage_line(st, now)) is not None:
+        lines.append(line)
     return Panel(Text("\n".join(lines)), title="Run")
+
+
+def _mb(n: Any) -> str:
+    return "?" if n is None else f"{float(n) / 2**20:.1f} MB"
+
+
+def storage_line(st: RunState, now: float) -> str | None:
+    """The storage pause under way ("paused: storage full at <path>, needs N MB, since Xs"), or
+    the last one that ended, or None when there was none."""
+    pause = st.storage_pause()
+    if pause is not None:
+        what = "storage full" if pause["kind"] == "storage_full" else "write failed"
+        since = max(0.0, now - float(pause["since"]))
+        return (
+            f"paused: {what} at {pause.get('path')}, needs {_mb(pause.get('needs_bytes'))}, "
+            f"free {_mb(pause.get('free_bytes'))}, since {since:.0f}s ({pause.get('what')})"
+        )
+    done = st.last_storage_recovery()
+    if done is not None:
+        return f"last storage pause: {float(done['paused_s']):.1f} s at {done.get('path')}"
+    return None
 
 
 def throughput_panel(st: RunState, now: float) -> Panel:
@@ -166,6 +190,8 @@ def workers_panel(st: RunState, now: float) -> Panel:
         for w in workers:
             age = max(0.0, now - w.last_seen)
             seen = f"{age:.0f}s ago" + ("" if age <= LIVE_S else " (stale)")
+            if w.frozen is not None:  # the watchdog named it (`worker_frozen`)
+                seen += " FROZEN"
             idle = w.idle_frac
             t.add_row(
                 role,

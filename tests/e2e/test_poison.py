@@ -237,6 +237,7 @@ def test_poison_is_dead_lettered_and_the_run_finishes_with_exact_accounting(tmp_
         f"run_id={RUN}",
         "seed=3",
         "nats.max_deliver=3",  # a never-admitted group is handed back twice, then dead-lettered
+        "watchdog.frozen_after_s=3600",  # the rollout worker is paused on purpose below
     )
     try:
         wait_steps(proc, out, 3)

@@ -78,3 +78,27 @@ def test_live_layout_renders():
     st = RunState(run_id="r")
     st.fold(step(1, 1.0))
     assert "Reward" in text_of(dashboard(st, now=1001.0), width=160)
+
+
+def test_a_worker_the_watchdog_named_frozen_shows_as_frozen_until_it_beats_again():
+    from schemas import Event
+
+    st = RunState(run_id="r")
+    st.fold(beat("rollout-0", 1000.0, busy_frac=0.5))
+    st.fold(beat("trainer-0", 1000.0, busy_frac=0.5))
+    frozen = Event(
+        type="worker_frozen",
+        role="launcher",
+        worker_id="launcher",
+        time=1031.0,
+        detail={"worker_id": "rollout-0", "role": "rollout", "silent_s": 31.0, "pid": 7},
+    )
+    st.fold(frozen)
+    assert "launcher" not in st.workers  # the launcher is no worker
+    assert st.workers["rollout-0"].last_seen == 1000.0  # a report is no sign of life
+    out = text_of(Group(*render_panels(st, now=1032.0)))
+    [row] = [ln for ln in out.splitlines() if "rollout-0" in ln and "ago" in ln]
+    assert "FROZEN" in row
+    st.fold(beat("rollout-0", 1040.0, busy_frac=0.5))  # its restart's first heartbeat
+    out = text_of(Group(*render_panels(st, now=1041.0)))
+    assert "FROZEN" not in out
