@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -80,6 +80,28 @@ def sample_id(task_id: str, sample_idx: int) -> str:
     return f"{task_id}/{sample_idx}"
 
 
+class TurnText(BaseModel):
+    """One segment of an episode as text: the model's turn or the environment's (tool output,
+    a user turn), with its token count (the segments' counts add up to the output's length)."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["model", "env"]
+    text: str
+    n_tokens: int = Field(ge=0)
+
+
+class ToolCallInfo(BaseModel):
+    """One tool call of an episode, as rewards and taps see it."""
+
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = ""
+    output: str = ""
+    error: str | None = Field(default=None, description="None: the tool answered; else why not")
+    latency_s: float = Field(default=0.0, ge=0)
+    turn: int = Field(default=0, ge=0, description="the model turn that made the call")
+
+
 class Sample(Message):
     """One finished episode: the prompt, then `output_ids`, the whole token stream after it
     (a single-turn sample: one generation; a multi-turn one: model and environment tokens
@@ -113,6 +135,12 @@ class Sample(Message):
         default=0, ge=0, description="tool calls that failed (raised, timed out, malformed)"
     )
     tool_s: float = Field(default=0.0, ge=0, description="tool latency summed over calls (s)")
+    prompt: str = Field(default="", description="the task's prompt text (for rewards and taps)")
+    turns: list[TurnText] = Field(
+        default_factory=list,
+        description="the episode segment by segment (empty: one model turn, `output_text`)",
+    )
+    tool_calls: list[ToolCallInfo] = Field(default_factory=list)
     n_interrupts: int = Field(default=0, ge=0)
     n_reprefill_tokens: int = Field(default=0, ge=0)
     timings: dict[str, float] = Field(default_factory=dict)
@@ -141,6 +169,11 @@ class Sample(Message):
             raise ValueError(
                 f"sample {self.sample_id}: output_ids has {n} tokens but loss_mask has "
                 f"{len(self.loss_mask)}"
+            )
+        if self.turns and sum(t.n_tokens for t in self.turns) != n:
+            raise ValueError(
+                f"sample {self.sample_id}: output_ids has {n} tokens but its turns count "
+                f"{sum(t.n_tokens for t in self.turns)}"
             )
         if self.sample_idx >= self.group_size:
             raise ValueError(

@@ -24,15 +24,20 @@ Invariants:
 
 from __future__ import annotations
 
+import inspect
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 from areal.rewards.registry import RewardFn, get_reward_fn
 
 Scored = tuple[float, str | None, float]  # reward, error, seconds spent on the item
-Item = tuple[str, str]  # completion, answer
+# completion, answer[, episode]: the episode (prompt, turns, tool calls, metadata) goes to a
+# reward function that takes an `episode` keyword (`takes_episode`)
+Item = tuple[str, str] | tuple[str, str, dict[str, Any]]
 
 
 class ItemTimeout(BaseException):
@@ -50,20 +55,40 @@ def score_items(fn_name: str, items: list[Item], timeout_s: float) -> list[Score
     Returns one outcome per item, in order; never raises for a scorer's error or timeout.
     """
     fn = get_reward_fn(fn_name)
-    return [score_item(fn, completion, answer, timeout_s) for completion, answer in items]
+    return [score_item(fn, it[0], it[1], timeout_s, *it[2:]) for it in items]
 
 
-def score_item(fn: RewardFn, completion: str, answer: str, timeout_s: float) -> Scored:
+def takes_episode(fn: RewardFn) -> bool:
+    """Whether `fn` takes the episode: an `episode` parameter, or `**kwargs`."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: (completion, answer) only
+        return False
+    return any(p.name == "episode" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def score_item(
+    fn: RewardFn,
+    completion: str,
+    answer: str,
+    timeout_s: float,
+    episode: dict[str, Any] | None = None,
+) -> Scored:
     """One item under its own alarm; the previous SIGALRM handler and timer are restored after.
 
     Off the main thread (no signals there) the item runs without an alarm.
     """
+    call = (
+        (lambda: fn(completion, answer, episode=episode))  # type: ignore[call-arg]
+        if episode is not None and takes_episode(fn)
+        else (lambda: fn(completion, answer))
+    )
     if threading.current_thread() is not threading.main_thread():
-        return _call_scorer(fn, completion, answer, timeout_s, _NoAlarm())
+        return _call_scorer(call, timeout_s, _NoAlarm())
     alarm = _Alarm()
     prev_handler = signal.signal(signal.SIGALRM, alarm.fire)
     try:
-        return _call_scorer(fn, completion, answer, timeout_s, alarm)
+        return _call_scorer(call, timeout_s, alarm)
     finally:  # stop our timer before the old handler is back (SIGALRM's default: terminate)
         signal.setitimer(signal.ITIMER_REAL, 0)  # ours, disarmed: a pending one is a no-op
         signal.signal(signal.SIGALRM, prev_handler)
@@ -119,9 +144,7 @@ def describe_error(e: BaseException) -> str:
         return f"{type(e).__name__}: <its message could not be formatted>"
 
 
-def _call_scorer(
-    fn: RewardFn, completion: str, answer: str, timeout_s: float, alarm: _Alarm | _NoAlarm
-) -> Scored:
+def _call_scorer(call: Callable[[], Any], timeout_s: float, alarm: _Alarm | _NoAlarm) -> Scored:
     # `ItemTimeout` can be raised at any point after `arm()` until `disarm()` has run (fire()
     # disarms too, so at most once): both run inside the outer `try`, whose `except` catches a
     # raise from anywhere, including from the inner `finally` itself.
@@ -130,7 +153,7 @@ def _call_scorer(
     try:
         try:
             alarm.arm(timeout_s)
-            reward, error = float(fn(completion, answer)), None
+            reward, error = float(call()), None
         # the user's scorer failed: reward 0, reason kept. `SystemExit` too (a scorer built on
         # argparse or click exits on input it does not like): raised on, it would end the
         # reward worker, and every replica the group is redelivered to

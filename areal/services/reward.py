@@ -38,7 +38,7 @@ from areal.bus.client import Bus, Lease
 from areal.bus.codec import unpack
 from areal.core.validate import Bounds, Verdict, check_group, check_marker
 from areal.rewards.registry import get_reward_fn
-from areal.rewards.scoring import Scored
+from areal.rewards.scoring import Item, Scored, takes_episode
 from areal.services.common import BusyMeter, heartbeat_loop
 from areal.services.reward_pool import ScoringPool
 from areal.services.samples import publish_group, rejection_marker
@@ -52,6 +52,21 @@ def _scored_group(scored: list[ScoredSample]) -> ScoredGroup:
     return ScoredGroup(scored=scored)
 
 
+def last_turn_tokens(sample: Sample) -> int:
+    """Tokens of the sample's last model turn (the whole output when no token is masked):
+    overlong shaping judges a turn against `max_new_tokens`, not an episode's tool output."""
+    if sample.loss_mask is None:
+        return len(sample.output_ids)
+    mask = unpack(sample.loss_mask).tolist()
+    end = len(mask)
+    while end and not mask[end - 1]:
+        end -= 1
+    start = end
+    while start and mask[start - 1]:
+        start -= 1
+    return end - start
+
+
 @dataclass(frozen=True)
 class OverlongShaping:
     """DAPO's soft overlong punishment for completions near or at `max_new_tokens`."""
@@ -61,7 +76,7 @@ class OverlongShaping:
     penalty: float
 
     def __call__(self, sample: Sample) -> float:
-        n = len(unpack(sample.output_ids))
+        n = last_turn_tokens(sample)
         return overlong_penalty(
             n,
             sample.finish_reason,
@@ -69,6 +84,22 @@ class OverlongShaping:
             buffer=self.buffer,
             penalty=self.penalty,
         )
+
+
+def episode_of(s: Sample) -> dict:
+    """The episode a reward function taking `episode=` sees: plain data (it crosses into the
+    scoring process): the prompt, the segments as text, the tool calls, the task's metadata."""
+    turns = [t.model_dump() for t in s.turns] or [
+        {"role": "model", "text": s.output_text, "n_tokens": len(s.output_ids)}
+    ]
+    return {
+        "prompt": s.prompt,
+        "turns": turns,
+        "tool_calls": [c.model_dump() for c in s.tool_calls],
+        "metadata": dict(s.metadata),
+        "finish_reason": s.finish_reason,
+        "n_turns": s.n_turns,
+    }
 
 
 class RewardService:
@@ -84,7 +115,8 @@ class RewardService:
         bounds: Bounds | None = None,
         score_range: tuple[float, float] = (-math.inf, math.inf),
     ) -> None:
-        get_reward_fn(fn_name)  # fail fast on a bad spec, in this process
+        # fail fast on a bad spec, in this process; and does it take the episode?
+        self._takes_episode = takes_episode(get_reward_fn(fn_name))
         self.bus, self.fn_name, self.timeout_s = bus, fn_name, timeout_s
         self.pool_workers, self.batch_size = pool_workers, batch_size
         self.overlong = overlong
@@ -121,6 +153,12 @@ class RewardService:
             self.n_errors += 1
         return reward, detail
 
+    def _item(self, s: Sample) -> Item:
+        """What the scorer gets: (completion, answer), and the episode when it takes one."""
+        if not self._takes_episode:
+            return (s.output_text, s.answer)
+        return (s.output_text, s.answer, episode_of(s))
+
     async def _batch_loop(self) -> None:
         while True:
             await self._wake.wait()
@@ -135,7 +173,7 @@ class RewardService:
 
     async def _score_batch(self, batch: list[tuple[Sample, asyncio.Future[Scored]]]) -> None:
         try:
-            results = await self.pool.score([(s.output_text, s.answer) for s, _ in batch])
+            results = await self.pool.score([self._item(s) for s, _ in batch])
         except Exception as e:  # not a scorer's failure (e.g. the pool is closed): the handlers
             for _, fut in batch:  # waiting on this batch raise it, nothing is acked
                 if not fut.done():

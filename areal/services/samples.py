@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from areal.bus.codec import pack
 from areal.bus.errors import MessageTooLarge
 from schemas import Message, Sample, Task
+from schemas.messages import ToolCallInfo, TurnText
 
 if TYPE_CHECKING:
     from areal.workflows.api import Episode
@@ -29,6 +30,22 @@ def sample_of_episode(
     versions = [v for seg in ep.segments for v in seg.versions]
     mask = [1 if seg.trained else 0 for seg in ep.segments for _ in seg.ids]
     errors = sum(1 for c in ep.tool_calls if c.error is not None)
+    several = len(ep.segments) > 1 or bool(ep.tool_calls)
+    turns = [
+        TurnText(role="model" if seg.trained else "env", text=seg.text, n_tokens=len(seg.ids))
+        for seg in ep.segments
+    ]
+    calls = [
+        ToolCallInfo(
+            name=c.name,
+            arguments=c.arguments,
+            output=c.output,
+            error=c.error,
+            latency_s=c.latency_s,
+            turn=c.turn,
+        )
+        for c in ep.tool_calls
+    ]
     return Sample(
         task_id=task.task_id,
         task_seq=task.seq,
@@ -50,6 +67,9 @@ def sample_of_episode(
         n_tool_calls=len(ep.tool_calls),
         n_tool_errors=errors,
         tool_s=sum(c.latency_s for c in ep.tool_calls),
+        prompt=task.prompt,
+        turns=turns if several else [],
+        tool_calls=calls,
         timings={
             "admitted_at": task.admitted_at,
             "received_at": received_at,

@@ -88,3 +88,10 @@ def slow_or_crash(completion: str, answer: str) -> float:
         os._exit(139)
     time.sleep(1.0)
     return float(completion.strip() == answer.strip())
+
+
+def tool_use_reward(completion: str, answer: str, episode: dict) -> float:
+    """Sees the episode: 1.0 when the answer is right and came after a tool call that worked."""
+    used = any(c["error"] is None for c in episode["tool_calls"])
+    last = episode["turns"][-1]
+    return float(used and last["role"] == "model" and last["text"].strip() == answer)
