@@ -12,6 +12,8 @@ import json
 import math
 from typing import Any, Protocol
 
+from pydantic import BaseModel
+
 from areal.bus.codec import decode, unpack
 from schemas import (
     DeadLetter,
@@ -78,11 +80,13 @@ def summarise_array(arr: PackedArray, head: int = HEAD_IDS) -> dict[str, Any]:
 
 
 def _versions(arr: PackedArray) -> dict[str, Any]:
+    """Length and range of a sample's versions; environment tokens (-1) are no policy's."""
     v = unpack(arr)
+    model = v[v >= 0]
     return {
         "len": int(len(v)),
-        "min": int(v.min()) if len(v) else None,
-        "max": int(v.max()) if len(v) else None,
+        "min": int(model.min()) if len(model) else None,
+        "max": int(model.max()) if len(model) else None,
     }
 
 
@@ -115,6 +119,8 @@ def to_record(msg: Message, tokenizer: Detokenizer | None = None) -> dict[str, A
             value = _versions(value) if name == "versions" else summarise_array(value)
         elif isinstance(value, bytes):
             value = {"len": len(value), "head": value[:32].hex()}
+        elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
+            value = [v.model_dump() for v in value]  # a sample's turns and tool calls
         rec[name] = value
     if isinstance(msg, WeightAnnouncement):
         rec["bytes"] = rec.pop("nbytes")
@@ -233,7 +239,30 @@ def _sample_line(s: dict[str, Any], prefix: bool = True) -> str:
         parts.append(f"interrupts={s['n_interrupts']} reprefill={s['n_reprefill_tokens']}")
     if s.get("prompt_text"):
         parts.insert(1, f"prompt={_q(s['prompt_text'])}")
-    return " ".join(p for p in parts if p)
+    line = " ".join(p for p in parts if p)
+    if not s.get("turns"):
+        return line
+    calls = s.get("tool_calls") or []
+    errors = sum(1 for c in calls if c.get("error"))
+    line += f" turns={s.get('n_turns', 1)} tool_calls={len(calls)} tool_errors={errors}"
+    return "\n".join([line, *episode_lines(s["turns"], calls)])
+
+
+def episode_lines(turns: list[dict[str, Any]], calls: list[dict[str, Any]]) -> list[str]:
+    """An episode turn by turn: the model's text apart from the environment's (tool output),
+    each environment turn with the call it answers."""
+    out, pending = [], iter(calls)
+    for t in turns:
+        if t["role"] == "model":
+            out.append(f"    model {t['n_tokens']:>4} tok  {_q(t['text'], 160)}")
+            continue
+        call = next(pending, None)
+        how = ""
+        if call is not None:
+            how = f" {call['name']}({_q(call['arguments'], 40)}) {call['latency_s']:.2f}s"
+            how += f" error={_q(call['error'], 60)}" if call.get("error") else ""
+        out.append(f"    tool  {t['n_tokens']:>4} tok {_q(t['text'], 160)}{how}")
+    return out
 
 
 def json_line(rec: dict[str, Any], fields: list[str] | None = None) -> str:
