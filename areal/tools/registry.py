@@ -13,16 +13,13 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
-import sys
 from collections.abc import Callable, Iterable
-from types import ModuleType
 from typing import Any
 
 from areal.tools.base import NAME_RE, Tool, tool
 from areal.tools.calc import calc_tool
 from areal.tools.python import python_tool
+from areal.user_code import import_user_module
 
 BUILTIN_TOOLS: dict[str, Callable[[], Tool]] = {"calc": calc_tool, "python": python_tool}
 
@@ -69,7 +66,7 @@ def resolve_tool(spec: str) -> Tool:
             "for your own (a function of the argument string returning text, or a Tool)"
         )
     try:
-        obj: Any = _import(mod_name)
+        obj: Any = import_user_module(mod_name)
     except ImportError as e:
         raise ToolSpecError(
             f"tool spec {spec!r}: cannot import module {mod_name!r} ({e}); run from the "
@@ -109,16 +106,3 @@ def _renamed(t: Tool, name: str, spec: str) -> Tool:
         return dataclasses.replace(t, name=name)
     except ValueError as e:
         raise ToolSpecError(f"tool spec {spec!r}: {e}") from None
-
-
-def _import(mod_name: str) -> ModuleType:
-    try:
-        return importlib.import_module(mod_name)
-    except ModuleNotFoundError as e:
-        cwd = os.getcwd()
-        on_path = {os.path.abspath(p or os.curdir) for p in sys.path}
-        if e.name not in (mod_name, mod_name.split(".")[0]) or cwd in on_path:
-            raise
-        sys.path.append(cwd)  # last: never shadows an installed package
-        importlib.invalidate_caches()
-        return importlib.import_module(mod_name)

@@ -3,11 +3,11 @@ as `Name(ctx, **workflow_kwargs)` whose `arun_episode` returns an `Episode`)."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
 from areal.config import ConfigError
+from areal.user_code import CWD_RULE, import_user_module
 from areal.workflows.api import RolloutWorkflow
 from areal.workflows.context import WorkflowContext
 
@@ -27,11 +27,12 @@ def resolve_workflow_class(spec: str) -> type:
             "'pkg.module:ClassName' (a class with `async arun_episode(gen, task, sample_idx)`)"
         )
     try:
-        obj: Any = importlib.import_module(mod_name)
+        obj: Any = import_user_module(mod_name)
     except ImportError as e:
         raise ConfigError(
-            f"config error: rollout.workflow={spec!r}: cannot import {mod_name} ({e}); is the "
-            "package installed on the rollout's host?"
+            f"config error: rollout.workflow={spec!r}: cannot import {mod_name} ({e}); looked "
+            f"in the {CWD_RULE}: run from the directory that holds it, or add its directory "
+            "to PYTHONPATH"
         ) from None
     for part in attr.split("."):
         obj = getattr(obj, part, None)

@@ -233,3 +233,54 @@ async def bus_depth(nats_url: str, run_id: str) -> int:
         return await bus.stream_depth(S.PROMPTS)
     finally:
         await bus.close()
+
+
+async def test_the_docs_example_workflow_runs_from_its_spec(nats_url, run_id, model_dir):
+    """`examples.workflows.double_check:DoubleCheck` (docs/workflows.md), built by the registry
+    from its spec as the rollout worker builds it, on the real engine: two model turns around
+    the environment's question, masked."""
+    from areal.workflows.context import WorkflowContext
+    from areal.workflows.registry import make_workflow
+
+    tok = load_tokenizer(model_dir)
+    ctx = WorkflowContext(
+        decode=lambda ids: tok.decode(ids),
+        encode=lambda text: tok.encode(text, add_special_tokens=False),
+        max_new_tokens=8,
+        max_turns=2,
+    )
+    workflow = make_workflow("examples.workflows.double_check:DoubleCheck", ctx, {})
+    bus = await Bus.connect(nats_url, run_id, "rollout", "rollout-0")
+    engine = SlowEngine(InferenceEngineConfig(kind="torch", model_path=str(model_dir), seed=0))
+    svc = RolloutService(
+        bus,
+        engine,
+        ctx.decode,
+        SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=()),
+        policy=SchedulerPolicy(interruptible=True),
+        max_concurrent_tasks=1,
+        workflow=workflow,
+    )
+    groups: list[SampleGroup] = []
+
+    async def on_group(msg) -> None:
+        groups.append(decode(msg.data, SampleGroup))
+
+    raw = await connect(nats_url, "test-raw")
+    await raw.subscribe(bus.names.subject(S.TRAJECTORIES), cb=on_group)
+    stop = asyncio.Event()
+    runner = asyncio.create_task(svc.run(stop))
+    try:
+        prompt = tok.encode("12+34=", add_special_tokens=False)
+        await bus.publish(S.PROMPTS, task(run_id, 0, prompt).model_copy(update={"group_size": 2}))
+        await until(lambda: bool(groups), "the group")
+    finally:
+        stop.set()
+        await runner
+        await bus.close()
+        await raw.close()
+    asked = ctx.encode(" Check: ")
+    for s in groups[0].samples:
+        assert [t.role for t in s.turns] == ["model", "env", "model"]
+        assert unpack(s.loss_mask).tolist() == [1] * 8 + [0] * len(asked) + [1] * 8
+        assert unpack(s.output_ids).tolist()[8 : 8 + len(asked)] == asked
