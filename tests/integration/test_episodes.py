@@ -105,9 +105,12 @@ async def until(cond, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_weight_switches_between_and_within_turns_keep_every_logp_true(
-    nats_url, run_id, model_dir
-):
+async def two_turn_episode(nats_url, run_id, model_dir, engine, *, mid_turn: bool) -> None:
+    """One two-turn episode on `engine` through the real rollout service: v1 is published
+    while the episode waits in its tool (a switch between turns), and with `mid_turn` v2 a few
+    tokens into turn 2 (a switch within it); then every token is checked (module docstring)."""
+    from areal.engines.torch_infer import weights_from_safetensors
+
     models = [AutoModelForCausalLM.from_pretrained(model_dir)]
     models += [perturbed(model_dir, 0.05, 1), perturbed(model_dir, 0.05, 2)]
     tok = load_tokenizer(model_dir)
@@ -116,10 +119,7 @@ async def test_weight_switches_between_and_within_turns_keep_every_logp_true(
     gate = asyncio.Event()
     workflow = TwoTurnsWithATool(env_ids, gate, set())
     bus = await Bus.connect(nats_url, run_id, "rollout", "rollout-0")
-    engine = SlowEngine(InferenceEngineConfig(kind="torch", model_path=str(model_dir), seed=0))
     params = SamplingParams(max_new_tokens=TURN_TOKENS * 3, temperature=1.0, stop_token_ids=())
-    from areal.engines.torch_infer import weights_from_safetensors
-
     svc = RolloutService(
         bus,
         engine,
@@ -145,9 +145,10 @@ async def test_weight_switches_between_and_within_turns_keep_every_logp_true(
         await bus.put_weights(1, save(export_state_dict(models[1])), "float32", step=1)
         await until(lambda: svc.sched.known_version >= 1, "v1 fetched")
         gate.set()  # the tool answers: turn 2 starts on v1
-        await until(lambda: svc.engine.version >= 1 and svc.meter._since is not None, "turn 2")
-        await asyncio.sleep(0.1)  # a few tokens into turn 2 (the engine sleeps 10 ms a token)
-        await bus.put_weights(2, save(export_state_dict(models[2])), "float32", step=2)
+        if mid_turn:
+            await until(lambda: engine.version >= 1 and svc.meter._since is not None, "turn 2")
+            await asyncio.sleep(0.1)  # a few tokens into turn 2 (10 ms a token)
+            await bus.put_weights(2, save(export_state_dict(models[2])), "float32", step=2)
         await until(lambda: bool(samples), "the sample")
     finally:
         stop.set()
@@ -166,14 +167,22 @@ async def test_weight_switches_between_and_within_turns_keep_every_logp_true(
     assert versions[:n1] == [0] * n1  # turn 1 on v0
     assert versions[n1 : n1 + ne] == [-1] * ne and behav[n1 : n1 + ne].eq(0).all()
     turn2 = versions[n1 + ne :]
-    assert turn2[0] == 1 and turn2[-1] == 2, turn2  # v1 between turns, v2 within turn 2
-    assert turn2 == sorted(turn2)
+    assert turn2[0] == 1 and turn2 == sorted(turn2), turn2  # v1 from the first token on
+    if mid_turn:
+        assert turn2[-1] == 2, turn2  # and v2 within turn 2
     assert s.n_turns == 2 and s.finish_reason == "length"
     lps = [forward_logps(m, prompt, out) for m in models]
     for t, v in enumerate(versions):
         if v >= 0:
             torch.testing.assert_close(behav[t], lps[v][t], atol=1e-4, rtol=0)
-    assert not torch.allclose(lps[0][n1 + ne :], lps[2][n1 + ne :], atol=1e-3)
+    assert not torch.allclose(lps[0][n1 + ne :], lps[1][n1 + ne :], atol=1e-3)
+
+
+async def test_weight_switches_between_and_within_turns_keep_every_logp_true(
+    nats_url, run_id, model_dir
+):
+    engine = SlowEngine(InferenceEngineConfig(kind="torch", model_path=str(model_dir), seed=0))
+    await two_turn_episode(nats_url, run_id, model_dir, engine, mid_turn=True)
 
 
 async def test_a_workflow_that_raises_costs_only_its_own_task(nats_url, run_id, model_dir):
