@@ -157,6 +157,16 @@ class BatchInfo(BaseModel):
         0.0,
         description="environment tokens (tool output, user turns: loss mask 0) / output tokens",
     )
+    turns_mean: float = Field(1.0, description="model turns per episode, mean over samples")
+    tool_calls_mean: float = Field(0.0, description="tool calls per episode, mean over samples")
+    tool_call_frac: float = Field(0.0, description="samples whose episode called a tool")
+    tool_ok_frac: float = Field(
+        0.0, description="samples that called a tool and whose every call ran without error"
+    )
+    tool_error_frac: float = Field(
+        0.0, description="tool calls that failed (raised, timed out, malformed) / tool calls"
+    )
+    tool_s_mean: float = Field(0.0, description="tool latency per episode, mean over samples (s)")
     task_seqs: list[int] = Field(
         default_factory=list,
         description="admission seq of each task trained in this step (audits: none twice)",

@@ -46,7 +46,7 @@ from typing import Generic, Literal, TypeVar
 import numpy as np
 
 from areal.algo.staleness import is_fresh, sample_staleness, staleness_histogram
-from schemas import ScoredSample
+from schemas import Sample, ScoredSample
 from schemas.state import Accounting, BatchInfo, CheckpointState, StepRecord, TrainerState
 
 __all__ = [
@@ -405,6 +405,7 @@ class Intake(Generic[H]):
             reprefill_tokens=sum(sc.sample.n_reprefill_tokens for sc in scored),
             truncated_frac=sum(sc.sample.finish_reason == "length" for sc in scored) / max(1, n),
             masked_token_frac=n_env / sum(lens) if sum(lens) else 0.0,
+            **episode_stats([sc.sample for sc in scored]),
             task_seqs=[g.task_seq for g in batch],
             **batch_timings(batch, now),
         )
@@ -470,6 +471,21 @@ def batch_timings(batch: Sequence[Group[H]], now: float | None) -> dict[str, flo
     if now is not None:
         out["ready_age_s"] = round(now - last, 4)
     return out
+
+
+def episode_stats(samples: Sequence[Sample]) -> dict[str, float]:
+    """Turns, tool calls, tool failures and tool latency of a batch's episodes (see
+    `BatchInfo`): means over samples, and `tool_error_frac` over the tool calls."""
+    n = max(1, len(samples))
+    calls = sum(s.n_tool_calls for s in samples)
+    return {
+        "turns_mean": sum(s.n_turns for s in samples) / n if samples else 1.0,
+        "tool_calls_mean": calls / n,
+        "tool_call_frac": sum(s.n_tool_calls > 0 for s in samples) / n,
+        "tool_ok_frac": sum(s.n_tool_calls > 0 and s.n_tool_errors == 0 for s in samples) / n,
+        "tool_error_frac": sum(s.n_tool_errors for s in samples) / calls if calls else 0.0,
+        "tool_s_mean": sum(s.tool_s for s in samples) / n,
+    }
 
 
 def _str_keys(hist: dict[int, int]) -> dict[str, int]:

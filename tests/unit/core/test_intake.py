@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from areal.bus.codec import pack
-from areal.core.intake import Filed, Intake, IntakePolicy
+from areal.core.intake import Filed, Intake, IntakePolicy, episode_stats
 from schemas import ScoredSample
 from schemas.state import CheckpointState, TrainerState
 from tests.factories import make_sample
@@ -331,3 +333,42 @@ def test_single_turn_batches_have_no_masked_tokens() -> None:
     pick = intake.take_batch()
     assert pick.batch is not None
     assert intake.batch_info(pick.batch).masked_token_frac == 0.0
+
+
+def test_batch_info_counts_turns_tool_calls_failures_and_latency() -> None:
+    """Four episodes: a call that ran then an answer (2 turns, 1 call, 0.2 s); a call the tool
+    refused (1 turn, 1 call, 1 error, 0.1 s); two calls, one failed (3 turns, 0.3 s); an answer
+    without a call. Means over the 4 samples; tool_error_frac over the 4 calls."""
+    stats = episode_stats(
+        [
+            make_sample(3, n_turns=2, n_tool_calls=1, tool_s=0.2),
+            make_sample(3, n_turns=1, n_tool_calls=1, n_tool_errors=1, tool_s=0.1),
+            make_sample(3, n_turns=3, n_tool_calls=2, n_tool_errors=1, tool_s=0.3),
+            make_sample(3),
+        ]
+    )
+    assert stats == pytest.approx(
+        {
+            "turns_mean": 7 / 4,
+            "tool_calls_mean": 4 / 4,
+            "tool_call_frac": 3 / 4,
+            "tool_ok_frac": 1 / 4,  # only the first called a tool and saw no call fail
+            "tool_error_frac": 2 / 4,
+            "tool_s_mean": 0.6 / 4,
+        }
+    )
+    assert episode_stats([make_sample(2)])["tool_error_frac"] == 0.0  # no call: no failure
+    assert episode_stats([])["turns_mean"] == 1.0
+
+
+def test_batch_info_carries_the_episode_stats() -> None:
+    intake: Intake[str] = Intake(IntakePolicy(1, 2, max_staleness=4), TrainerState(version=4))
+    a, b = scored(0, 0, [3, 3]), scored(0, 1, [3, 3], reward=0.0)
+    a = a.model_copy(
+        update={"sample": a.sample.model_copy(update={"n_turns": 2, "n_tool_calls": 1})}
+    )
+    intake.file([a, b], "a")
+    pick = intake.take_batch()
+    assert pick.batch is not None
+    info = intake.batch_info(pick.batch)
+    assert (info.turns_mean, info.tool_call_frac, info.tool_ok_frac) == (1.5, 0.5, 0.5)
