@@ -281,8 +281,9 @@ class ModelSettings(_Part):
 class DataSettings(_Part):
     source: str = Field(
         "synthetic:arithmetic",
-        description="synthetic:arithmetic | synthetic:running_sum | reasoning_gym:<generator> | "
-        "champ[:file.json] | humaneval[:file.jsonl] | path to .jsonl / .parquet",
+        description="synthetic:arithmetic | synthetic:running_sum | synthetic:tool_arithmetic | "
+        "reasoning_gym:<generator> | champ[:file.json] | humaneval[:file.jsonl] | path to "
+        ".jsonl / .parquet",
     )
     prompt_field: str = Field(
         "prompt",

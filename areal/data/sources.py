@@ -1,7 +1,8 @@
 """Where a run's tasks come from: the training source and the held-out set (`data:` settings).
 
 Sources (`data.source`):
-- `synthetic:arithmetic`, `synthetic:running_sum`: the built-in tasks (`areal.data.tasks`);
+- `synthetic:arithmetic`, `synthetic:running_sum`, `synthetic:tool_arithmetic`: the built-in
+  tasks (`areal.data.tasks`);
 - `reasoning_gym:<generator>`: a procedural generator of the `reasoning-gym` package
   (`gsm_symbolic`, `basic_arithmetic`, `decimal_arithmetic`, ...), `data.task_kwargs` are its
   parameters;

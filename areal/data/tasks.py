@@ -122,16 +122,47 @@ class RunningSumTask:
         return TaskItem(index, prompt, str(total), {"target": target, "n_terms": k})
 
 
-SYNTHETIC_TASKS: dict[str, type[ArithmeticTask] | type[RunningSumTask]] = {
+class ToolArithmeticTask:
+    """`"37*41+5="` -> `"1522"`: a*b+c with `digits`-digit a and b and c in [0, max_addend],
+    beyond the tiny model's head but one `calc` call away. `metadata["target"]` is the
+    demonstration in the `tags` tool format (`areal.tools.formats`): the call, its result as the
+    tool writes it, then the answer, `"<calc>37*41+5`<r>1522</r>1522"`."""
+
+    name = "synthetic:tool_arithmetic"
+
+    def __init__(self, seed: int = 0, digits: int = 2, max_addend: int = 99):
+        if digits < 1 or max_addend < 0:
+            raise ValueError(f"need digits >= 1 and max_addend >= 0, got {digits}, {max_addend}")
+        self.seed, self.digits, self.max_addend = seed, digits, max_addend
+
+    def __len__(self) -> int:
+        return SYNTHETIC_LEN
+
+    def get(self, index: int) -> TaskItem:
+        _check_index(index, len(self))
+        rng = _rng(self.name, self.seed, index)
+        low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
+        a, b = rng.randint(low, 10**self.digits - 1), rng.randint(low, 10**self.digits - 1)
+        c = rng.randint(0, self.max_addend)
+        expr, answer = f"{a}*{b}+{c}", str(a * b + c)
+        target = f"<calc>{expr}`<r>{answer}</r>{answer}"  # tags: call, CLOSE, result, answer
+        return TaskItem(index, f"{expr}=", answer, {"target": target, "expr": expr})
+
+
+SYNTHETIC_TASKS: dict[
+    str, type[ArithmeticTask] | type[RunningSumTask] | type[ToolArithmeticTask]
+] = {
     ArithmeticTask.name: ArithmeticTask,
     RunningSumTask.name: RunningSumTask,
+    ToolArithmeticTask.name: ToolArithmeticTask,
 }
 
 
 def make_task_source(spec: str, seed: int = 0, **kwargs: Any) -> TaskSource:
-    """`"synthetic:arithmetic"`, `"synthetic:running_sum"` (kwargs go to the constructor), or a
-    path to a `.jsonl` / `.parquet` file (kwargs go to the loader, e.g. `prompt_field`,
-    `answer_field`, `shuffle`; `seed` orders the epochs when `shuffle=True`)."""
+    """`"synthetic:arithmetic"`, `"synthetic:running_sum"`, `"synthetic:tool_arithmetic"`
+    (kwargs go to the constructor), or a path to a `.jsonl` / `.parquet` file (kwargs go to
+    the loader, e.g. `prompt_field`, `answer_field`, `shuffle`; `seed` orders the epochs when
+    `shuffle=True`)."""
     if spec in SYNTHETIC_TASKS:
         return SYNTHETIC_TASKS[spec](seed=seed, **kwargs)
     if spec.startswith("synthetic:"):

@@ -83,9 +83,14 @@ class SftRecipe:
 # lr 3e-3 (the default until 2026-12) sits at the edge of stability: the same code and seed gave
 # greedy 0.60 on one CPU and 0.41 on another (float rounding decides the trajectory), and the
 # quickstart then rose to ~0.7 on the first and only ~0.38 on the second.
+# Tool arithmetic (a*b+c through the calc tool, `examples/tool_arithmetic.yaml`): the format is
+# learnt fast (greedy episodes right 0.996 on 256 prompts at 400 steps, seed 0), so the recipe is
+# short (~65-75 s) and label-smoothed: at the example's T=1.0 a sampled episode is right for
+# ~0.09 (0.41 call the tool, 0.21 with a call that runs); the runs start at 0.14-0.20.
 DEFAULT_RECIPES: dict[str, SftRecipe] = {
     "synthetic:arithmetic": SftRecipe(steps=1500, lr=1e-3, label_smoothing=0.1),
     "synthetic:running_sum": SftRecipe(steps=300, lr=1e-3),
+    "synthetic:tool_arithmetic": SftRecipe(steps=400, lr=1e-3, label_smoothing=0.1),
 }
 FALLBACK_RECIPE = SftRecipe(steps=200, lr=1e-3)
 # A build takes ~10 s to ~3 min on a busy 2-core CPU: waiting 15 min for another process's

@@ -22,13 +22,18 @@ from types import ModuleType
 
 from areal.rewards.code import code_reward
 from areal.rewards.math import math_reward
-from areal.rewards.synthetic import arithmetic_reward, running_sum_reward
+from areal.rewards.synthetic import (
+    arithmetic_reward,
+    running_sum_reward,
+    tool_arithmetic_reward,
+)
 
 RewardFn = Callable[[str, str], float]
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "arithmetic": arithmetic_reward,
     "running_sum": running_sum_reward,
+    "tool_arithmetic": tool_arithmetic_reward,
     "math": math_reward,
     "code": code_reward,
 }
@@ -38,12 +43,14 @@ CWD_RULE = "installed packages and PYTHONPATH first, then the current working di
 _DEFAULT_FOR_TASK = {
     "synthetic:arithmetic": "arithmetic",
     "synthetic:running_sum": "running_sum",
+    "synthetic:tool_arithmetic": "tool_arithmetic",
 }
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """A built-in name (`arithmetic`, `running_sum`, `math`, `code`) or `package.module:function`
-    (the module is looked up by `CWD_RULE`, in every process that scores)."""
+    """A built-in name (`arithmetic`, `running_sum`, `tool_arithmetic`, `math`, `code`) or
+    `package.module:function` (the module is looked up by `CWD_RULE`, in every process that
+    scores)."""
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
     if ":" not in name:

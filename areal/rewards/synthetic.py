@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 EOS_TEXT = "<eos>"
+RESULT_CLOSE = "</r>"  # ends a tool result in the `tags` format (`areal.tools.formats`)
 _INT_RE = re.compile(r"-?\d+")
 
 
@@ -36,3 +37,13 @@ def running_sum_reward(completion: str, answer: str) -> float:
         return 1.0 if int(numbers[-1]) == int(answer.strip()) else 0.0
     except ValueError:
         return 0.0
+
+
+def tool_arithmetic_reward(completion: str, answer: str) -> float:
+    """1.0 iff what follows the last tool result (`</r>`), cut at its first end of sequence, is
+    exactly the answer; with no result, the cut completion is: `"<calc>37*41+5<r>1522</r>1522"`
+    scores 1.0 against `"1522"`. The call and the result are not checked, only the answer the
+    model gave after them (a result it wrote itself, without the tool, is no help to it). The
+    tail is taken before the cut: a tool's result may hold a newline."""
+    tail = completion.rsplit(RESULT_CLOSE, 1)[-1]
+    return 1.0 if cut_completion(tail) == answer.strip() else 0.0

@@ -12,9 +12,13 @@ from areal.data.tasks import (
     RunningSumTask,
     TaskItem,
     TaskSource,
+    ToolArithmeticTask,
     make_task_source,
 )
-from areal.rewards.synthetic import arithmetic_reward, running_sum_reward
+from areal.rewards.synthetic import arithmetic_reward, running_sum_reward, tool_arithmetic_reward
+from areal.tools.calc import calc
+from areal.tools.formats import TagsFormat
+from areal.workflows.api import ToolCallRecord
 
 
 def test_arithmetic_items_are_correct_and_deterministic():
@@ -52,6 +56,30 @@ def test_arithmetic_ops_and_digits():
 def test_arithmetic_bad_args(kwargs):
     with pytest.raises(ValueError):
         ArithmeticTask(**kwargs)
+
+
+def test_tool_arithmetic_items_and_their_demonstration_are_what_the_tool_writes():
+    """The warm start's target is the transcript the `tool_call` workflow builds: the model's
+    call in the tags format, the calc tool's result as the workflow appends it, the answer."""
+    fmt = TagsFormat()
+    task = ToolArithmeticTask(seed=0)
+    for i in (0, 1, 17, 10**6):
+        item = task.get(i)
+        assert item == ToolArithmeticTask(seed=0).get(i)
+        expr = item.metadata["expr"]
+        a, rest = expr.split("*")
+        b, c = rest.split("+")
+        assert 10 <= int(a) <= 99 and 10 <= int(b) <= 99 and 0 <= int(c) <= 99
+        assert item.prompt == f"{expr}=" and int(item.answer) == int(a) * int(b) + int(c)
+        call = fmt.call_text("calc", expr)
+        (parsed,) = fmt.parse(call).calls
+        result = fmt.render_result(ToolCallRecord("calc", parsed.arguments, calc(parsed.arguments)))
+        assert item.metadata["target"] == call + result + item.answer
+        # the sample's text as the rollout decodes it (the stop token dropped) earns the reward
+        assert tool_arithmetic_reward(call[:-1] + result + item.answer, item.answer) == 1.0
+    assert make_task_source("synthetic:tool_arithmetic", seed=0, digits=1).get(0).prompt[1] == "*"
+    with pytest.raises(ValueError):
+        ToolArithmeticTask(digits=0)
 
 
 def test_running_sum_items():

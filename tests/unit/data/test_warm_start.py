@@ -45,6 +45,15 @@ def test_cache_key_separates_recipes(tmp_path):
     assert len({a, b, c}) == 3 and all(p.parent == tmp_path for p in (a, b, c))
 
 
+def test_the_task_is_part_of_the_cache_key(tmp_path):
+    """The tool task's warm model is its own, never the arithmetic quickstart's."""
+    a = ensure_warm_model("synthetic:arithmetic", sft_steps=0, seed=0, cache_dir=tmp_path)
+    t = ensure_warm_model("synthetic:tool_arithmetic", sft_steps=0, seed=0, cache_dir=tmp_path)
+    assert a != t and t.name.startswith("warm-tool_arithmetic-0-")
+    meta = json.loads((t / "areal_warm_start.json").read_text())
+    assert meta["task_spec"] == "synthetic:tool_arithmetic"
+
+
 def test_cache_root_is_the_argument_else_the_home_default(tmp_path, monkeypatch):
     # the lookup reads no environment variable: AREAL_CACHE_DIR reaches it through the settings
     monkeypatch.setenv("AREAL_CACHE_DIR", str(tmp_path / "ignored"))
