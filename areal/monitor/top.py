@@ -142,7 +142,29 @@ def idle_panel(st: RunState, now: float) -> Panel:
     ]
     if (batch := batch_line(st.last_step)) is not None:
         lines.append(batch)
+    if (episodes := episode_line(st.last_step)) is not None:
+        lines.append(episodes)
     return Panel(Text("\n".join(lines) or "no heartbeats yet"), title="Idle")
+
+
+def episode_line(last: dict[str, Any] | None) -> str | None:
+    """The last batch's episodes (turns, tool calls and their outcome, tool latency, the share
+    of environment tokens), or None for single-turn batches."""
+    if not last or (last.get("turns_mean") or 1.0) <= 1.0 and not last.get("masked_token_frac"):
+        return None
+    parts = [f"episodes: {last.get('turns_mean', 1.0):.2f} turns"]
+    if last.get("tool_calls_mean") is not None:
+        parts.append(f"{last['tool_calls_mean']:.2f} tool calls")
+    if last.get("tool_call_frac") is not None:
+        parts.append(f"called {last['tool_call_frac']:.0%}")
+    if last.get("tool_ok_frac") is not None:
+        parts.append(f"ok {last['tool_ok_frac']:.0%}")
+    if last.get("tool_error_frac") is not None:
+        parts.append(f"errors {last['tool_error_frac']:.0%}")
+    if last.get("tool_s_mean") is not None:
+        parts.append(f"tool {last['tool_s_mean']:.2f} s")
+    parts.append(f"env tokens {last.get('masked_token_frac') or 0.0:.0%}")
+    return ", ".join(parts)
 
 
 def batch_line(last: dict[str, Any] | None) -> str | None:

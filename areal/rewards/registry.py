@@ -14,11 +14,8 @@ Invariants:
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 from collections.abc import Callable
-from types import ModuleType
 
 from areal.rewards.code import code_reward
 from areal.rewards.math import math_reward
@@ -27,6 +24,7 @@ from areal.rewards.synthetic import (
     running_sum_reward,
     tool_arithmetic_reward,
 )
+from areal.user_code import CWD_RULE, import_user_module
 
 RewardFn = Callable[[str, str], float]
 
@@ -38,7 +36,6 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "code": code_reward,
 }
 
-CWD_RULE = "installed packages and PYTHONPATH first, then the current working directory"
 
 _DEFAULT_FOR_TASK = {
     "synthetic:arithmetic": "arithmetic",
@@ -62,7 +59,7 @@ def get_reward_fn(name: str) -> RewardFn:
     if not module_name or not attr:
         raise ValueError(f"reward spec {name!r} must look like 'package.module:function'")
     try:
-        module = _import_user_module(module_name)
+        module = import_user_module(module_name)
     except ImportError as e:
         raise ValueError(
             f"reward spec {name!r}: cannot import module {module_name!r} ({e}); looked in the "
@@ -88,23 +85,6 @@ def get_reward_fn(name: str) -> RewardFn:
             "point it at a function (completion: str, answer: str) -> float"
         )
     return fn  # type: ignore[return-value]
-
-
-def _import_user_module(module_name: str) -> ModuleType:
-    """Import `module_name` by `CWD_RULE`: when it is not found on the path as it is, the
-    current working directory is appended to `sys.path` (last, so it never shadows an installed
-    package) and the import is tried once more. Process pools started later inherit the path."""
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        top = module_name.split(".")[0]
-        cwd = os.getcwd()
-        on_path = {os.path.abspath(p or os.curdir) for p in sys.path}
-        if e.name not in (module_name, top) or cwd in on_path:
-            raise
-        sys.path.append(cwd)
-        importlib.invalidate_caches()
-        return importlib.import_module(module_name)
 
 
 def default_reward_for(task_spec: str) -> str:

@@ -23,3 +23,24 @@ def test_json_lines_carry_the_turns_and_calls_as_plain_data():
     rec = json.loads(json_line(to_record(episode_sample())))
     assert [t["role"] for t in rec["turns"]] == ["model", "env", "model"]
     assert rec["tool_calls"][0]["output"] == "1517"
+
+
+def test_areal_top_shows_the_episodes_of_the_last_batch():
+    from areal.monitor.top import episode_line
+
+    assert episode_line({"turns_mean": 1.0, "masked_token_frac": 0.0}) is None  # single-turn
+    line = episode_line(
+        {
+            "turns_mean": 1.9,
+            "tool_calls_mean": 0.95,
+            "tool_call_frac": 0.97,
+            "tool_ok_frac": 0.93,
+            "tool_error_frac": 0.02,
+            "tool_s_mean": 0.004,
+            "masked_token_frac": 0.21,
+        }
+    )
+    assert line == (
+        "episodes: 1.90 turns, 0.95 tool calls, called 97%, ok 93%, errors 2%, tool 0.00 s, "
+        "env tokens 21%"
+    )
