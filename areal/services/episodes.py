@@ -13,8 +13,11 @@ Invariants:
   given up: `cancel_task`, `cancel_all`);
 - a generation that finishes after its episode was cancelled is dropped (its tokens are never
   filed), and a cancelled episode's queued turns never reach the engine;
-- thread-safety: `take_turns` and `turn_finished` may be called from the generating thread;
-  everything else runs on the event loop.
+- a workflow marked `direct` (one generation from the prompt: `single_turn`) runs without a
+  coroutine: `direct_request` hands the engine the prompt at once, and the finished generation
+  becomes the episode (`workflow.episode`), with the same outcomes as above;
+- thread-safety: `direct_request`, `take_turns` and `turn_finished` may be called from the
+  generating thread; everything else runs on the event loop.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class EpisodeHost:
         self._queued: list[GenRequest] = []  # turns waiting for the engine (guarded)
         self._waiting: dict[str, asyncio.Future[Generation]] = {}  # turn key -> its await
         self._episodes: dict[str, asyncio.Task[None]] = {}  # sample key -> its episode
+        self._direct: dict[str, Request] = {}  # turn key -> its sample (direct workflows; guarded)
+        self.direct = bool(getattr(workflow, "direct", False))
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ event loop
@@ -77,7 +82,8 @@ class EpisodeHost:
 
     @property
     def active(self) -> int:
-        return len(self._episodes)
+        with self._lock:
+            return len(self._episodes) + len(self._direct)
 
     def start(self, request: Request, task: Task) -> None:
         """Run the workflow's episode for `request` (on the loop)."""
@@ -117,31 +123,30 @@ class EpisodeHost:
             self._waiting.pop(req.key, None)
 
     def _resolve(self, out: GenOutput) -> None:
+        with self._lock:
+            request = self._direct.pop(out.key, None)
+        if request is not None:
+            self._on_done(request, self.workflow.episode(_generation(out)))  # type: ignore[attr-defined]
+            return
         fut = self._waiting.get(out.key)
         if fut is None or fut.done():  # its episode was cancelled meanwhile
             return
-        fut.set_result(
-            Generation(
-                output_ids=list(out.output_ids),
-                behav_logp=list(out.behav_logp),
-                versions=list(out.versions),
-                finish_reason=out.finish_reason,
-                n_interrupts=out.n_interrupts,
-                n_reprefill_tokens=out.n_reprefill_tokens,
-            )
-        )
+        fut.set_result(_generation(out))
 
     def cancel_task(self, task_id: str) -> None:
         """Give up `task_id`'s episodes: their queued turns are dropped, their awaits cancelled."""
         prefix = f"{task_id}/"
         with self._lock:
             self._queued = [r for r in self._queued if not r.key.startswith(prefix)]
+            for key in [k for k in self._direct if k.startswith(prefix)]:
+                del self._direct[key]
         for key in [k for k in self._episodes if k.startswith(prefix)]:
             self._episodes.pop(key).cancel()
 
     def cancel_all(self) -> None:
         with self._lock:
             self._queued.clear()
+            self._direct.clear()
         for t in self._episodes.values():
             t.cancel()
         self._episodes.clear()
@@ -162,6 +167,13 @@ class EpisodeHost:
         with self._lock:
             return bool(self._queued)
 
+    def direct_request(self, request: Request, task: Task) -> GenRequest:
+        """Generating thread: the one generation of a `direct` workflow's episode."""
+        key = f"{request.key}#0"
+        with self._lock:
+            self._direct[key] = request
+        return GenRequest(key, task.prompt_ids.to_list())
+
     def take_turns(self) -> list[GenRequest]:
         """Turns queued by episodes, for the engine to admit now."""
         with self._lock:
@@ -172,3 +184,14 @@ class EpisodeHost:
         """Generating thread: a turn's generation is done; its episode resumes on the loop."""
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._resolve, out)
+
+
+def _generation(out: GenOutput) -> Generation:
+    return Generation(
+        output_ids=list(out.output_ids),
+        behav_logp=list(out.behav_logp),
+        versions=list(out.versions),
+        finish_reason=out.finish_reason,
+        n_interrupts=out.n_interrupts,
+        n_reprefill_tokens=out.n_reprefill_tokens,
+    )

@@ -284,6 +284,9 @@ class RolloutService:
         with self._lock:
             reqs = self.sched.take_requests(time.monotonic())
             hold = not self.policy.interruptible and self.sched.pending is not None
+            tasks = [self._tasks[r.task_id][0] for r in reqs]
+        if self.host.direct:  # one generation from the prompt: no coroutine per sample
+            return [self.host.direct_request(r, t) for r, t in zip(reqs, tasks, strict=True)]
         assert self._loop is not None
         for r in reqs:
             self._loop.call_soon_threadsafe(self._start_episode, r)
