@@ -30,6 +30,7 @@ from areal.services.rollout import RolloutService
 from areal.workflows.api import Episode, Generator, Segment
 from schemas import DeadLetter, Sample, SampleGroup, Task
 from schemas import subjects as S
+from tests.factories import make_task
 from tests.integration.test_interruptible import SlowEngine
 
 pytestmark = pytest.mark.integration
@@ -85,7 +86,7 @@ def forward_logps(model, prompt: list[int], output: list[int]) -> torch.Tensor:
 
 
 def task(run_id: str, i: int, prompt: list[int]) -> Task:
-    return Task(
+    return make_task(
         task_id=f"{run_id}-t{i}",
         seq=i,
         dataset_index=i,
@@ -93,7 +94,6 @@ def task(run_id: str, i: int, prompt: list[int]) -> Task:
         prompt_ids=pack(prompt, "int32"),
         answer="46",
         group_size=1,
-        admitted_version=0,
     )
 
 
