@@ -22,7 +22,9 @@ Invariants:
   `since`); retries are logged only; once a write lands and no other write is failing,
   `storage_recovered` (`paused_s`, `retries`, the same `since`) ends the pause;
 - events are published in order in the background: a bus that cannot store them (its own disk
-  full) never blocks or fails a write;
+  full: the server refuses the publish until its store is writable again) never blocks or fails
+  a write; a refused event is retried with backoff for up to `event_patience_s`, so the pause
+  reaches the events stream once the server stores again (it is on the same disk, often);
 - with `give_up_s`, a pause longer than that raises `StorageWriteError` (naming the path, the
   cause and the way out) instead of retrying again.
 """
@@ -71,6 +73,9 @@ FULL_MESSAGES = (
 WRITER_MESSAGES = ("unexpected pos", "iostream error", "pytorchstreamwriter failed writing")
 NEARLY_FULL_BYTES = 2**20  # a message-only write failure with less free than this: full
 FIRST_DELAY_S, MAX_DELAY_S = 1.0, 30.0
+# a storage event the bus refused is retried this long (its server's store may sit on the disk
+# that filled up: the launcher restarts it once there is room)
+EVENT_PATIENCE_S, EVENT_MAX_DELAY_S = 600.0, 5.0
 
 
 class StorageWriteError(RuntimeError):
@@ -169,8 +174,10 @@ class StorageGuard:
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
         wall: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        event_patience_s: float = EVENT_PATIENCE_S,
     ) -> None:
         self._emit = emit
+        self.event_patience_s = event_patience_s
         self.first_delay_s, self.max_delay_s, self.give_up_s = first_delay_s, max_delay_s, give_up_s
         self._sleep, self._wall, self._monotonic = sleep, wall, monotonic
         self.pause: Pause | None = None  # the pause under way, if any
@@ -294,19 +301,39 @@ class StorageGuard:
         self._publish("storage_recovered", detail)
 
     def _publish(self, event: str, detail: dict[str, Any]) -> None:
-        """Publish `event` after the ones before it, in the background."""
+        """Publish `event` after the ones before it, in the background; retried while the bus
+        refuses it (module invariants)."""
         if self._emit is None:
             return
-        emit, prev = self._emit, self._last_emit
+        emit, prev, patience = self._emit, self._last_emit, self.event_patience_s
 
         async def publish() -> None:
             if prev is not None:
                 with contextlib.suppress(BaseException):
                     await prev
-            try:
-                await emit(event, **detail)
-            except Exception as e:  # noqa: BLE001 - the pause is logged; the bus has its own say
-                log.warning("storage_event_not_published", event_type=event, error=repr(e)[:300])
+            loop = asyncio.get_running_loop()
+            deadline, delay, tries = loop.time() + patience, 0.5, 0
+            while True:
+                try:
+                    await emit(event, **detail)
+                except Exception as e:  # noqa: BLE001 - the pause is logged; retried below
+                    tries += 1
+                    last = loop.time() + delay > deadline
+                    if tries == 1 or last:
+                        log.warning(
+                            "storage_event_not_published",
+                            event_type=event,
+                            error=repr(e)[:300],
+                            retrying=not last,
+                        )
+                    if last:
+                        return
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, EVENT_MAX_DELAY_S)
+                    continue
+                if tries:
+                    log.info("storage_event_published", event_type=event, tries=tries + 1)
+                return
 
         self._last_emit = asyncio.ensure_future(publish())
 

@@ -80,7 +80,13 @@ def _rank_main(rank: int, world: int, port: int, name: str, model_dir: str, out:
     )
     torch.set_num_threads(1)
     from areal.engines.fsdp_train import FSDPTrainEngine
-    from areal.engines.rank_group import RankEnv, RankZeroEngine, follow, init_rank_group
+    from areal.engines.rank_group import (
+        RankEnv,
+        RankZeroEngine,
+        follow,
+        init_rank_group,
+        leave_group,
+    )
 
     init_rank_group(RankEnv.from_env(), device="cpu", timeout_s=120)
     engine = FSDPTrainEngine(engine_cfg("fsdp", model_dir, **ENGINE_OPTIONS.get(name, {})))
@@ -94,7 +100,9 @@ def _rank_main(rank: int, world: int, port: int, name: str, model_dir: str, out:
     if name == "missing":
         _missing_checkpoint(rank, engine, out_dir)
     if rank > 0:
-        sys.exit(follow(engine))
+        rc = follow(engine)
+        leave_group()  # as areal.launch.ranks does: exiting with the group up can abort (SIGABRT)
+        sys.exit(rc)
     group = RankZeroEngine(engine)
     res = _scenario(name, group, out_dir)
     group.close(0)

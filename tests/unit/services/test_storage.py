@@ -238,7 +238,7 @@ async def test_an_event_that_fails_to_publish_is_logged_not_raised(tmp_path):
     async def emit(type_: str, **detail) -> None:
         raise RuntimeError("bus closed")
 
-    g = guard(clock, emit)
+    g = guard(clock, emit, event_patience_s=0.0)  # refused for good: given up at once
     op, _ = failing(1, OSError(errno.ENOSPC, "No space left on device"))
     with capture_logs() as logs:
         assert await g.write("metrics", tmp_path, op) == "landed"
@@ -246,6 +246,31 @@ async def test_an_event_that_fails_to_publish_is_logged_not_raised(tmp_path):
     said = [(r["event"], r.get("event_type")) for r in logs]
     assert ("storage_full", None) in said and ("storage_recovered", None) in said
     assert ("storage_event_not_published", "storage_full") in said
+
+
+async def test_an_event_the_bus_refused_is_retried_and_lands_in_order(tmp_path):
+    """The bus's store sat on the disk that filled: it refuses the pause's events until it
+    stores again; they reach the stream then, in order."""
+    clock = Clock()
+    published: list[str] = []
+    refusals = {"n": 2}
+
+    async def emit(type_: str, **detail) -> None:
+        if refusals["n"]:
+            refusals["n"] -= 1
+            raise RuntimeError("nats: insufficient resources")
+        published.append(type_)
+
+    g = guard(clock, emit)
+    op, _ = failing(1, OSError(errno.ENOSPC, "No space left on device"))
+    with capture_logs() as logs:
+        assert await g.write("metrics", tmp_path, op) == "landed"
+        await asyncio.wait_for(g.drain(), 30)  # hang guard: two retries of 0.5 s and 1 s
+    assert published == ["storage_full", "storage_recovered"]
+    said = [(r["event"], r.get("event_type"), r.get("retrying")) for r in logs]
+    assert ("storage_event_not_published", "storage_full", True) in said
+    assert ("storage_event_published", "storage_full", None) in said
+    assert clock.slept == [1]  # the write's own retry: its events' retries never held it
 
 
 # ---------------------------------------------------------------- run files, retried
