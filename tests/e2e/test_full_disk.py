@@ -23,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 TMPFS_MB = 256  # the run's out dir: a few tens of MB by the end of TOTAL_STEPS
 TOTAL_STEPS, FILL_AT, HOLD_S = 30, 8, 6.0
+PROBE_EVENTS, PROBE_PAD = 64, 2048  # what the store is made to write while the disk is full
 RUN_ID = "arithmetic"  # the example's
 EVENT_TYPES = ("storage_full", "write_failed", "storage_recovered", "run_finished")
 
@@ -77,6 +79,49 @@ def fill(path: Path) -> int:
                     assert e.errno == errno.ENOSPC, e
                     break
     return n
+
+
+def make_the_store_write(out: Path, stop: threading.Event) -> threading.Thread:
+    """While the disk is full, publish `PROBE_EVENTS` run events of `PROBE_PAD` bytes as the
+    controller would (an event type no worker acts on): a paused run writes little, and its
+    writes may all land in tmpfs pages the store's files already have, so without this the
+    server's store fails only now and then. Publishes past the store's failure wait until
+    `stop`; nothing here is asserted."""
+    cfg = json.loads((out / "config.json").read_text())
+
+    async def probe() -> None:
+        from areal.bus.auth import load_credentials
+        from areal.bus.client import Bus
+
+        creds = load_credentials(Path(cfg["nats"]["credentials_dir"]) / "controller.json")
+        bus = await Bus.connect(
+            cfg["nats"]["url"],
+            RUN_ID,
+            "controller",
+            "disk-probe",
+            declare=False,
+            credentials=creds,
+        )
+        try:
+            for i in range(PROBE_EVENTS):
+                await bus.event("disk_probe", i=i, pad="x" * PROBE_PAD)
+        finally:
+            await bus.close()
+
+    def main() -> None:
+        async def until_stopped() -> None:
+            task = asyncio.ensure_future(probe())
+            while not stop.is_set() and not task.done():
+                await asyncio.sleep(0.1)
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+        asyncio.run(until_stopped())
+
+    t = threading.Thread(target=main, daemon=True)
+    t.start()
+    return t
 
 
 def steps_done(out: Path) -> int:
@@ -149,8 +194,12 @@ def test_a_full_disk_pauses_the_run_and_it_finishes_by_itself_once_space_returns
             wait_steps(proc, out, FILL_AT)
             filled = fill(filler)
             t_fill, at_fill = time.monotonic(), steps_done(out)
+            stop_probe = threading.Event()
+            probe = make_the_store_write(out, stop_probe)
             time.sleep(HOLD_S)  # the fault's length
             during = steps_done(out) - at_fill
+            stop_probe.set()
+            probe.join(60)  # hang guard
             filler.unlink()
             t_free = time.monotonic()
             _, err = proc.communicate(timeout=900)  # hang guard
