@@ -11,15 +11,13 @@ when to switch weights, what a redelivery means); this shell fetches weights, ru
 a thread, publishes samples and settles leases. The scheduler is shared with the generating
 thread under `_lock`.
 
-Invariants (the scheduling ones are the core's):
+The trainer's weights are the follower's (`areal.services.weights_follower.WeightsFollower`:
+fetched, verified, offered to the scheduler, loaded at a token boundary or between batches);
+this service asks it for a version a task needs and lets it load at the points `generate`
+offers.
+
+Invariants (the scheduling ones are the core's, the weights ones the follower's):
 - every generated token carries the behaviour log-prob and the policy version that produced it;
-- weights are fetched and verified off the event loop, then handed to the generating thread:
-  only announcements the trainer signed are fetched (`areal.bus.run_weights`), and only a blob
-  that fits the model whole (`InferenceEngine.check_weights`) is offered, so a refused one
-  changes no parameter and the worker keeps generating on the weights it has;
-- weights stream into tensors as they arrive (`areal.engines.weights_stream.SafetensorsSink`):
-  the blob is never whole in memory; their values are scanned for NaN/inf once per version,
-  here (the `FrozenStateDict` offered lets the engine's `load_weights` skip a second scan);
 - a task is checked against the run before it is scheduled (`areal.core.validate`: token ids in
   the vocabulary, a prompt that fits the context, a version that was published): one that does
   not fit is dead-lettered with the reason on its first delivery and a rejection marker goes on
@@ -34,13 +32,10 @@ Invariants (the scheduling ones are the core's):
   marker retires it (`Bus.consume` with `refuse`), never left undelivered;
 - a task handed back is redelivered after `HAND_BACK_DELAY_S`, so a failing engine does not
   spin tasks through redeliveries;
-- a weight load that fails (at a token boundary or between batches; any error) leaves the
-  engine on the version it held: the scheduler goes back to it (`Scheduler.switch_failed`), a
-  running batch is handed back, and the update is retried between batches after a pause that
-  doubles from `LOAD_RETRY_S` to `LOAD_RETRY_MAX_S` per failure in a row (back to
-  `LOAD_RETRY_S` once a load goes through). Nothing generates until one does (the model may
-  hold a half-loaded mix), so tokens keep the version that really produced them and no task
-  starts on weights older than its admission version;
+- a weight load that fails leaves the engine on the version it held, and a running batch is
+  handed back; nothing generates until a load goes through (the model may hold a half-loaded
+  mix), so tokens keep the version that really produced them and no task starts on weights
+  older than its admission version;
 - with an `Evaluator`, a due evaluation round lets the running batch finish (no new requests
   join it), then runs between batches on the weights held (`areal/services/evaluation.py`).
 """
@@ -54,34 +49,26 @@ import time
 from collections.abc import Callable
 
 import structlog
-import torch
 
 from areal.bus.client import Bus, Lease
-from areal.bus.errors import WeightsRejected
-from areal.bus.follow import StreamFollower
 from areal.core.scheduling import Joined, Request, Scheduler, SchedulerPolicy
 from areal.core.validate import Bounds, Verdict, check_task
-from areal.engines.base import GenRequest, InferenceEngine, SamplingParams, WeightUpdate
-from areal.engines.weights_check import FrozenStateDict
-from areal.engines.weights_stream import MalformedWeights, SafetensorsSink
+from areal.engines.base import GenRequest, InferenceEngine, SamplingParams
 from areal.services.common import BusyMeter, heartbeat_loop
 from areal.services.episodes import EpisodeHost
 from areal.services.evaluation import Evaluator
 from areal.services.samples import publish_group, rejection_marker, sample_of_episode
+from areal.services.weights_follower import StateDict, WeightsFollower
 from areal.workflows.api import Episode, RolloutWorkflow
 from areal.workflows.context import WorkflowContext
 from areal.workflows.single_turn import SingleTurn
-from schemas import Sample, SampleGroup, Task, WeightAnnouncement
+from schemas import Sample, SampleGroup, Task
 from schemas import subjects as S
 from schemas.state import EvalClaim, eval_claim_key
 
 log = structlog.get_logger()
 
-StateDict = dict[str, torch.Tensor]
-
 HAND_BACK_DELAY_S = 1.0  # a task handed back (nak) is redelivered after this (the bus's too)
-LOAD_RETRY_S = 1.0  # pause after a failed weight load, doubled per failure in a row ...
-LOAD_RETRY_MAX_S = 30.0  # ... up to this
 
 
 def _no_encoder(text: str) -> list[int]:
@@ -109,27 +96,20 @@ class RolloutService:
     ) -> None:
         self.bus, self.engine, self.decode_text, self.params = bus, engine, decode_text, params
         self.policy, self.max_concurrent_tasks = policy, max_concurrent_tasks
-        # None: stream safetensors into tensors (`_fetch`); a decoder: fetch whole, decode it
-        self.weights_from_bytes = weights_from_bytes
         self.evaluator = evaluator
         self.bounds = bounds or Bounds.with_model(
             engine, run_id=bus.names.run_id, max_new_tokens=params.max_new_tokens
         )
-        # newest version known to be published: 0 (the initial weights) before any announcement,
-        # since the controller admits at version 0 before the trainer has announced anything
-        self._published = 0
         self.sched: Scheduler[Lease, StateDict] = Scheduler(policy, engine.version)
         self._lock = threading.Lock()
+        self.stats = dict.fromkeys(("samples", "tokens", "interrupts", "reprefill_tokens"), 0)
+        self.stats |= {"adopted_redeliveries": 0, "eval_rounds": 0}
+        self.stats |= {"rejected_tasks": 0, "workflow_failures": 0}
+        self.weights = WeightsFollower(
+            bus, engine, self.sched, self._lock, self.stats, weights_from_bytes=weights_from_bytes
+        )
         self._tasks: dict[str, tuple[Task, float]] = {}  # task id -> (task, received at)
         self._finished: dict[str, dict[int, Sample]] = {}  # task id -> its finished samples
-        self._weights_changed = asyncio.Event()
-        self._weights_sub: StreamFollower | None = None  # while `run` runs
-        self._fetching: set[int] = set()  # versions being downloaded (guarded by _lock)
-        self._to_fetch: WeightAnnouncement | None = None  # the newest not yet taken up
-        self._fetcher: asyncio.Future[None] | None = None  # the task fetching (`on_weights`)
-        # the last update `_poll_weights` handed the engine during a `generate` call
-        self._switching: tuple[int, StateDict] | None = None
-        self._load_failures = 0  # weight loads failed in a row (the retry pause doubles)
         self._queue_changed = asyncio.Event()
         if workflow is None:
             ctx = WorkflowContext(
@@ -142,110 +122,13 @@ class RolloutService:
         self._loop: asyncio.AbstractEventLoop | None = None  # while `run` runs
         self._publishes: set[asyncio.Task] = set()
         self.meter = BusyMeter()
-        self.stats = dict.fromkeys(("samples", "tokens", "interrupts", "reprefill_tokens"), 0)
-        self.stats |= {"weight_load_s": 0.0, "weight_loads": 0, "adopted_redeliveries": 0}
-        self.stats |= {"eval_rounds": 0, "rejected_tasks": 0, "workflow_failures": 0}
-
-    # ------------------------------------------------------------------ weights
-    def _fetch_covers(self, version: int) -> bool:
-        """A fetch of `version` or a newer one is already running (no second download)."""
-        return bool(self._fetching) and max(self._fetching) >= version
-
-    async def on_weights(self, ann: WeightAnnouncement) -> None:
-        """A weights announcement (the subscription's callback; `_await_version` calls it too):
-        fetch, check and offer the weights, if newer than any known. The fetch runs in a task of
-        the service's own, which the caller awaits shielded: a renewal of the subscription (at
-        every reconnect) cancels the callback under way, not the download, which would
-        otherwise start over from the new subscription's first delivery."""
-        if self.bus.weights_rejection(ann) is not None:  # not the trainer's (logged): ignore
-            return
-        self._published = max(self._published, ann.version)
-        if self._to_fetch is None or ann.version > self._to_fetch.version:
-            self._to_fetch = ann
-        if self._fetcher is None or self._fetcher.done():
-            self._fetcher = asyncio.ensure_future(self._fetch_announced())
-        await asyncio.shield(self._fetcher)
-
-    async def _fetch_announced(self) -> None:
-        """The fetcher task: the newest announcement handed in, until none is left."""
-        while self._to_fetch is not None:
-            ann, self._to_fetch = self._to_fetch, None
-            await self._fetch_and_offer(ann)
-
-    async def _fetch_and_offer(self, ann: WeightAnnouncement) -> None:
-        with self._lock:
-            if ann.version <= self.sched.known_version or self._fetch_covers(ann.version):
-                return
-            self._fetching.add(ann.version)
-        t0 = time.perf_counter()
-        try:
-            state = await self._fetch(ann)
-            await asyncio.to_thread(self._check_weights, state, ann.version)
-        except (WeightsRejected, MalformedWeights) as e:  # nothing was loaded: current weights stay
-            log.warning("weights_rejected", version=ann.version, reason=str(e))
-            return
-        except Exception as e:  # a bad or vanished version: keep generating, a newer one comes
-            log.error("weights_load_failed", version=ann.version, error=str(e))
-            return
-        finally:
-            with self._lock:
-                self._fetching.discard(ann.version)
-        with self._lock:
-            self.sched.offer_weights(ann.version, state)
-        fetch_s = time.perf_counter() - t0
-        self.stats["weight_load_s"] += fetch_s
-        self.stats["weight_loads"] += 1
-        mib_s = ann.nbytes / 2**20 / max(fetch_s, 1e-9)
-        log.info(
-            "weights_fetched", version=ann.version, fetch_s=round(fetch_s, 3), mib_s=round(mib_s)
-        )
-        self._weights_changed.set()
-
-    async def _fetch(self, ann: WeightAnnouncement) -> FrozenStateDict:
-        """The announced weights, verified (`Bus.fetch_weights`): streamed straight into
-        tensors, or with `weights_from_bytes` fetched whole and decoded in a worker thread."""
-        if self.weights_from_bytes is None:
-            return (await self.bus.fetch_weights(ann, SafetensorsSink)).state_dict()
-        data = await self.bus.get_weights(ann)
-        return FrozenStateDict(await asyncio.to_thread(self.weights_from_bytes, data))
-
-    def _check_weights(self, state: FrozenStateDict, version: int) -> None:
-        """Worker thread: the state dict must fit the engine's model whole (names, shapes,
-        dtypes, finite values), so a bad blob never reaches the scheduler."""
-        try:
-            self.engine.check_weights(state, version)
-        except ValueError as e:
-            raise WeightsRejected(str(e)) from None
-
-    async def _await_version(self, version: int, stop: asyncio.Event) -> None:
-        self._weights_changed.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._weights_changed.wait(), 2.0)
-        with self._lock:
-            missing = self.sched.known_version < version and not self._fetch_covers(version)
-        if missing and not stop.is_set():  # a missed announcement? ask the stream
-            ann = await self.bus.latest_weights()
-            if ann is not None:
-                self._announcement_missed(ann.version)
-                await self.on_weights(ann)
-
-    def _announcement_missed(self, version: int) -> None:
-        """When the stream holds a version the subscription did not deliver: its consumer is likely
-        gone with a cluster node this worker's connection was not on (no reconnect to renew
-        it): make it again now, not after the library's 10-20 s heartbeat timeout."""
-        if version > self._published and self._weights_sub is not None:
-            log.info("weights_subscription_renewed", version=version)
-            self._weights_sub.renew_soon()
 
     # ------------------------------------------------------------------ tasks
     async def _check(self, task: Task) -> Verdict | None:
-        verdict = check_task(task, self.bounds, latest_version=self._published)
+        verdict = check_task(task, self.bounds, latest_version=self.weights.published)
         if verdict is not None and verdict.stale_view:  # an announcement not seen yet?
-            ann = await self.bus.latest_weights()
-            if ann is not None:
-                self._announcement_missed(ann.version)
-                self._published = max(self._published, ann.version)
-            verdict = check_task(task, self.bounds, latest_version=self._published)
+            published = await self.weights.refresh_published()
+            verdict = check_task(task, self.bounds, latest_version=published)
         return verdict
 
     async def _refuse(self, task: Task, lease: Lease, reason: str) -> None:
@@ -296,63 +179,6 @@ class RolloutService:
         entry = self._tasks.get(r.task_id)
         if entry is not None:  # else its task failed meanwhile
             self.host.start(r, entry[0])
-
-    def _poll_weights(self) -> WeightUpdate | None:
-        """Generating thread, at token boundaries (interruptible mode): the update the engine
-        loads now, kept until `generate` returns (a load that fails raises out of it)."""
-        with self._lock:
-            update = self.sched.switch_at_boundary(time.monotonic())
-            if update is not None:
-                self._switching = update
-        return WeightUpdate(*update) if update is not None else None
-
-    async def _load_between_batches(self, stop: asyncio.Event) -> bool:
-        """Load the pending update, if any; False when the load failed (then it is pending
-        again, and the pause before its retry is over)."""
-        with self._lock:
-            update = self.sched.switch_between_batches(time.monotonic())
-        if update is None:
-            return True
-        try:
-            await asyncio.to_thread(self.engine.load_weights, WeightUpdate(*update))
-        except Exception as e:  # refused or failed (CUDA, RPC, disk): retried after a pause
-            await self._load_failed(update, e, stop)
-            return False
-        self._load_failures = 0
-        log.info("weights_loaded", policy_version=update[0])
-        return True
-
-    async def _switched_at_boundaries(self, error: Exception | None, stop: asyncio.Event) -> None:
-        """After a `generate` call: did the engine load what `_poll_weights` handed it? A load
-        that raised out of `generate` left the engine on an older version."""
-        with self._lock:
-            switching, self._switching = self._switching, None
-        if switching is None:
-            return
-        if self.engine.version >= switching[0]:
-            self._load_failures = 0
-        else:
-            await self._load_failed(switching, error or RuntimeError("load not done"), stop)
-
-    async def _load_failed(
-        self, update: tuple[int, StateDict], error: BaseException, stop: asyncio.Event
-    ) -> None:
-        """The engine did not load `update`: the scheduler goes back to the engine's version
-        with the update kept for a retry, after a pause (the module invariants)."""
-        with self._lock:
-            self.sched.switch_failed(update, self.engine.version)
-        pause_s = min(LOAD_RETRY_S * 2 ** min(self._load_failures, 16), LOAD_RETRY_MAX_S)
-        self._load_failures += 1
-        log.error(
-            "weights_load_failed",
-            version=update[0],
-            policy_version=self.engine.version,
-            error=f"{type(error).__name__}: {error}",
-            failures_in_a_row=self._load_failures,
-            retry_in_s=pause_s,
-        )
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), pause_s)
 
     def _episode_done(self, r: Request, episode: Episode) -> None:
         """Event loop: file the episode's sample; a complete group goes out."""
@@ -487,18 +313,19 @@ class RolloutService:
                     await asyncio.wait_for(self._queue_changed.wait(), 0.5)
                 continue
             if needed is not None:
-                await self._await_version(needed, stop)
+                await self.weights.await_version(needed, stop)
                 continue
-            if not await self._load_between_batches(stop):
+            if not await self.weights.load_between_batches(stop):
                 continue  # nothing generates until a load goes through (retried after a pause)
             error: Exception | None = None
+            poll_weights = self.weights.poll_at_boundary if self.policy.interruptible else None
             self.meter.start()
             try:
                 await asyncio.to_thread(
                     self.engine.generate,
                     [],
                     params=self.params,
-                    poll_weights=self._poll_weights if self.policy.interruptible else None,
+                    poll_weights=poll_weights,
                     on_finished=self.host.turn_finished,
                     poll_requests=self._poll_requests,
                 )
@@ -512,7 +339,7 @@ class RolloutService:
                     await lease.nak(delay_s=HAND_BACK_DELAY_S)
             finally:
                 self.meter.stop()
-            await self._switched_at_boundaries(error, stop)
+            await self.weights.after_generate(error, stop)
 
     def heartbeat(self) -> dict:
         return {
@@ -525,7 +352,7 @@ class RolloutService:
         }
 
     async def run(self, stop: asyncio.Event) -> None:
-        sub = self._weights_sub = await self.bus.subscribe_weights(self.on_weights)
+        await self.weights.start()
         log.info("rollout_started", policy=vars(self.policy), policy_version=self.engine.version)
         gen = asyncio.create_task(self._generate_loop(stop))
         gen.add_done_callback(lambda _: stop.set())  # a generate loop that died stops the worker
@@ -543,9 +370,7 @@ class RolloutService:
             gen.cancel()
             hb.cancel()
             await self.host.close()
-            await sub.unsubscribe()
-            if self._fetcher is not None:
-                self._fetcher.cancel()
+            await self.weights.close()
             if self.evaluator is not None:
                 self.evaluator.close()
             # what this replica did: `docker compose logs rollout` shows each replica's share

@@ -27,7 +27,8 @@ from areal.engines.base import SamplingParams
 from areal.engines.config import InferenceEngineConfig
 from areal.engines.torch_infer import TorchInferenceEngine, weights_from_safetensors
 from areal.engines.torch_train import export_state_dict
-from areal.services.rollout import LOAD_RETRY_S, RolloutService
+from areal.services.rollout import RolloutService
+from areal.services.weights_follower import LOAD_RETRY_S
 from schemas import Sample, SampleGroup, Task
 from schemas import subjects as S
 from tests.factories import make_task

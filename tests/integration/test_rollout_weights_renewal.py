@@ -1,4 +1,4 @@
-"""A reconnect of the bus's connection (or `_announcement_missed`) makes the weights follower
+"""A reconnect of the bus's connection (or `WeightsFollower.announcement_missed`) makes the weights follower
 read again while the rollout's callback for a version is still busy fetching it: the version is
 fetched and decoded once (the follower never repeats an announcement, and the rollout's fetch
 runs in a task of its own)."""
@@ -57,7 +57,8 @@ async def test_a_renewal_does_not_throw_away_the_fetch_under_way(nats_url, run_i
         weights_from_bytes=decode,
         bounds=Bounds(run_id=run_id),
     )
-    sub = svc._weights_sub = await rollout.subscribe_weights(svc.on_weights)
+    await svc.weights.start()
+    sub = svc.weights.sub
     try:
         await trainer.put_weights(1, b"x" * 64, "float32", step=1)
         await asyncio.to_thread(entered.wait, 30)

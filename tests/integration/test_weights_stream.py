@@ -123,7 +123,7 @@ async def test_fp32_masters_go_out_in_bf16_and_load_into_the_fp32_rollout_once_c
     bumped = bumped.model_copy(
         update={"signature": trainer_bus.keys.sign(bumped.signed_payload(trainer_bus.names.run_id))}
     )
-    await svc.on_weights(bumped)
+    await svc.weights.on_weights(bumped)
     update = svc.sched.switch_between_batches(0.0)
     assert update is not None
     infer.load_weights(WeightUpdate(*update))

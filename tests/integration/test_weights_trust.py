@@ -74,7 +74,7 @@ def unchanged(engine: TorchInferenceEngine, before: dict[str, torch.Tensor]) -> 
 
 class Rollout:
     """A rollout worker's weights path: its bus (verify key only), the real torch engine and
-    the real `RolloutService.on_weights`, subscribed as `RolloutService.run` does."""
+    the real `WeightsFollower.on_weights`, subscribed as `RolloutService.run` does (`WeightsFollower.start`)."""
 
     def __init__(self, bus: Bus, model_dir: str) -> None:
         self.bus = bus
@@ -143,7 +143,7 @@ def fetches(monkeypatch) -> list[str]:
 async def test_a_forged_announcement_is_never_fetched_nor_loaded(buses, model_dir, fetches):
     r = Rollout(buses["rollout"], model_dir)
     before = snapshot(r.engine)
-    sub = await r.bus.subscribe_weights(r.svc.on_weights)
+    sub = await r.bus.subscribe_weights(r.svc.weights.on_weights)
     try:
         # right names and shapes, a correct sha256, in the run's own object store
         for name in ("unsigned", "other_key"):
@@ -160,7 +160,7 @@ async def test_a_forged_announcement_is_never_fetched_nor_loaded(buses, model_di
     assert r.apply_pending() == 2
     # a direct call is refused just the same (not only the subscription filters)
     forged = await buses["unsigned"].put_weights(3, random_blob(r.engine, 3), "float32", step=3)
-    await r.svc.on_weights(forged)
+    await r.svc.weights.on_weights(forged)
     assert r.svc.sched.known_version == 2 and fetches == ["v2"]
     with pytest.raises(WeightsRejected, match="unsigned"):
         await r.bus.get_weights(forged)
@@ -169,7 +169,7 @@ async def test_a_forged_announcement_is_never_fetched_nor_loaded(buses, model_di
 
 async def test_a_forged_high_version_never_blocks_the_real_ones(buses, model_dir):
     r = Rollout(buses["rollout"], model_dir)
-    sub = await r.bus.subscribe_weights(r.svc.on_weights)
+    sub = await r.bus.subscribe_weights(r.svc.weights.on_weights)
     blob = save(export_state_dict(r.engine.model))
     try:
         await buses["unsigned"].put_weights(FORGED_VERSION, blob, "float32", step=1)
@@ -186,7 +186,7 @@ async def test_a_forged_high_version_never_blocks_the_real_ones(buses, model_dir
     assert (await r.bus.latest_weights()).version == 3
     # and a worker that starts now (its first delivery would be the forgery) gets v3
     late = Rollout(buses["rollout"], model_dir)
-    sub = await late.bus.subscribe_weights(late.svc.on_weights)
+    sub = await late.bus.subscribe_weights(late.svc.weights.on_weights)
     try:
         await wait_until(lambda: late.svc.sched.known_version == 3)
     finally:
@@ -244,7 +244,7 @@ async def test_a_bad_blob_signed_by_the_trainer_changes_nothing(buses, model_dir
     ann = await buses["trainer"].put_weights(
         1, random_blob(r.engine, 5, **{name: bad}), "float32", step=1
     )
-    await r.svc.on_weights(ann)
+    await r.svc.weights.on_weights(ann)
     assert r.svc.sched.known_version == 0 and r.svc.sched.pending is None  # nothing offered
     assert r.svc.stats["weight_loads"] == 0
     assert unchanged(r.engine, before) and r.engine.version == 0
