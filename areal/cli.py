@@ -181,7 +181,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_declare(args: argparse.Namespace) -> int:
-    from areal.bus.errors import AuthenticationFailed, PermissionDenied, RunConflictError
+    from areal.bus.errors import (
+        AuthenticationFailed,
+        BusUnavailable,
+        PermissionDenied,
+        RunConflictError,
+    )
     from areal.bus.streams import StorageLimitError
     from areal.config import ConfigError, load_settings
     from areal.launch.declare import declare_run_now
@@ -205,6 +210,9 @@ def cmd_declare(args: argparse.Namespace) -> int:
     except (AuthenticationFailed, PermissionDenied) as e:
         print(f"config error: {e} (declare with the launcher's credentials)", file=sys.stderr)
         return 2
+    except (ConnectionError, BusUnavailable) as e:  # no server at the URL within the tolerance
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"declared run {settings.run_id} on {settings.nats.url}", file=sys.stderr)
     return 0
 

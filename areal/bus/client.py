@@ -48,7 +48,7 @@ from pydantic import BaseModel
 from areal.bus.auth import NO_CREDENTIALS, Credentials, Denials, credentials_for
 from areal.bus.blobs import WeightsBlob, WeightsSink
 from areal.bus.codec import DecodeError, decode, encode
-from areal.bus.connection import Reconnects, connect
+from areal.bus.connection import Patience, Reconnects, connect
 from areal.bus.embedded import MAX_PAYLOAD_BYTES
 from areal.bus.errors import BusUnavailable, MessageTooLarge
 from areal.bus.events import (
@@ -211,9 +211,12 @@ class Bus:
         sign_weights: bool = True,
         weights_dir: str | None = None,
         credentials: Credentials | None = None,
+        first_connect_s: float | None = None,
     ) -> Bus:
         """Connect and (with `declare`) declare the run's streams; raises `RunConflictError`
         when a stream with the run's name belongs to something else (nothing is modified).
+        The first connection waits up to `first_connect_s` (None, as workers: forever), then
+        raises `ConnectionError` naming the URL; once connected, the bus reconnects forever.
 
         Credentials: `credentials`, else those `nats` names for `role` (`credentials_for`:
         `nats.credentials_file`, or `<nats.credentials_dir>/<role>.json`); a server that
@@ -232,6 +235,7 @@ class Bus:
         nc = await connect(
             url,
             f"areal-{names.run_id}-{worker_id}",
+            patience=Patience(first_connect_s=first_connect_s),
             credentials=credentials,
             denials=denials,
             reconnects=reconnects,

@@ -101,13 +101,16 @@ async def connect(
     denials: Denials | None = None,
     reconnects: Reconnects | None = None,
     auth_hint: str = AUTH_HINT,
+    quiet_until_connected: bool = False,
 ) -> Client:
     """A connected client, or `ConnectionError` naming `url`, the last error and `hint`
     (`AuthenticationFailed` naming the account and `auth_hint` when the server refuses the
     credentials).
 
     `on_lost(reason)` is called once when `patience.reconnect_s` runs out (the client is then
-    closed); it is never called for a deliberate close."""
+    closed); it is never called for a deliberate close. With `quiet_until_connected` a failed
+    attempt of the first connection logs at debug, not warning (the caller reports the outcome
+    in one line: `ConnectionError`)."""
     nc = Client()
     give_up: asyncio.Task[None] | None = None
     refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
@@ -133,7 +136,10 @@ async def connect(
                 refused.set_result(e)  # the first connection: fail at once, below
             log.error("nats_authorization_violation", client=name, account=credentials.describe())
             return
-        log.warning("nats_error", error=f"{type(e).__name__}: {e}", client=name)
+        quiet = quiet_until_connected and not task.done()
+        (log.debug if quiet else log.warning)(
+            "nats_error", error=f"{type(e).__name__}: {e}", client=name
+        )
 
     async def on_disconnect() -> None:
         nonlocal give_up

@@ -14,20 +14,56 @@ import asyncio
 
 from areal.config import RunSettings
 
+PROBE_S = 5.0  # the most `areal run` waits for a nats.url to answer before it gives up
 
-async def declare_as_launcher(settings: RunSettings) -> None:
+
+async def declare_as_launcher(
+    settings: RunSettings, *, first_connect_s: float | None = None
+) -> None:
     """Connect with the launcher's credentials (`nats.credentials_dir`/launcher.json, or
     `nats.credentials_file`, or none) and declare the run (`Bus.declare`). Raises
     `RunConflictError` / `StorageLimitError` / `AuthenticationFailed` / `PermissionDenied`
-    naming the fix."""
+    naming the fix, and `ConnectionError` naming the URL when the server does not answer
+    within `first_connect_s` (None: `nats.outage_tolerance_s`)."""
     from areal.bus.client import Bus
 
     assert settings.nats.url is not None
     bus = await Bus.connect(
-        settings.nats.url, settings.run_id, "launcher", "launcher", settings.nats, declare=True
+        settings.nats.url,
+        settings.run_id,
+        "launcher",
+        "launcher",
+        settings.nats,
+        declare=True,
+        first_connect_s=first_connect_s or settings.nats.outage_tolerance_s,
     )
     await bus.close()
 
 
-def declare_run_now(settings: RunSettings) -> None:
-    asyncio.run(declare_as_launcher(settings))
+def declare_run_now(settings: RunSettings, *, first_connect_s: float | None = None) -> None:
+    asyncio.run(declare_as_launcher(settings, first_connect_s=first_connect_s))
+
+
+async def _probe(settings: RunSettings, wait_s: float) -> None:
+    from areal.bus.auth import credentials_for
+    from areal.bus.connection import Patience, connect
+
+    assert settings.nats.url is not None
+    nc = await connect(
+        settings.nats.url,
+        f"areal-{settings.run_id}-launcher-probe",
+        patience=Patience(first_connect_s=wait_s),
+        hint="start that server (with JetStream: `nats-server -js`), fix --nats-url / "
+        "nats.url, or omit it so that `areal run` starts its own",
+        credentials=credentials_for(settings.nats, "launcher"),
+        quiet_until_connected=True,
+    )
+    await nc.close()
+
+
+def probe_server(settings: RunSettings) -> None:
+    """Connect to `nats.url` once as the launcher and close: raises `ConnectionError` (one
+    line naming the URL and the fix) when it does not answer within `PROBE_S` (at most
+    `nats.outage_tolerance_s`), `AuthenticationFailed` when it refuses the credentials. A
+    launch on a server that is not there then fails in seconds, before `--out` is touched."""
+    asyncio.run(_probe(settings, min(PROBE_S, settings.nats.outage_tolerance_s)))

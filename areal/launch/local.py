@@ -14,8 +14,10 @@ Invariants:
 - exit codes: 0 only when this run's trainer reached `train.total_steps` (`trainer_finished`);
   130 after Ctrl-C, 143 after SIGTERM; 2 for a config error; 1 when the trainer exited 0
   before `total_steps` (stopped by a signal from elsewhere); else the failed worker's code;
-- nothing is started and nothing in `--out` is touched before every check passed (`check`); a
-  new run never deletes data implicitly (`areal.launch.run_dir`);
+- nothing is started and nothing in `--out` is touched before every check passed (`check`),
+  among them that a `nats.url` of the user's answers (within `declare.PROBE_S`); a new run
+  never deletes data implicitly (`areal.launch.run_dir`), and one that fails before any worker
+  started takes back what it wrote in `--out` (a plain retry then works);
 - a worker that exits with `EXIT_CONFIG` (a deterministic failure) is not restarted: the run
   stops with its one-line reason; other crashes are restarted up to `max_restarts` times, and
   a worker that ran `HEALTHY_S` before it exited has its budget back; an exit because the bus
@@ -52,6 +54,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,13 +66,13 @@ from typing import Literal
 import structlog
 
 from areal.bus.embedded import EmbeddedNats, free_port
-from areal.bus.errors import RunConflictError
+from areal.bus.errors import BusUnavailable, PermissionDenied, RunConflictError
 from areal.bus.nats_config import authorization_block, ensure_accounts
 from areal.bus.streams import StorageLimitError
 from areal.config import ConfigError, RunSettings
 from areal.core.watchdog import WatchdogPolicy
 from areal.launch import run_dir
-from areal.launch.declare import declare_run_now
+from areal.launch.declare import declare_run_now, probe_server
 from areal.launch.join import public_url_of, share_run
 from areal.launch.preflight import check_run
 from areal.launch.store_watch import StoreWatch
@@ -191,6 +194,8 @@ class Launcher:
         self.stop_signal: int | None = None  # the SIGTERM that stopped the run, if one did
         self._stopping = False  # stop_all is due: a SIGTERM then changes nothing
         self.last_step = 0  # the highest step record the trainer published (seen live)
+        self._new_out: bool | None = None  # a new run: whether --out did not exist before it
+        self._weights_in_out = False  # a new run: its weights dir is <out>/weights
         w = settings.watchdog
         self.watchdog = LauncherWatchdog(
             WatchdogPolicy(frozen_after_s=w.frozen_after_s, startup_s=w.startup_s),
@@ -212,16 +217,41 @@ class Launcher:
             )
         if self.resume:
             point = run_dir.resume_point(self.out)
+            if point.finished_at(self.s.train.total_steps):
+                return point
+        if n.url:  # a server of the user's: it answers, or nothing in --out is touched
+            try:
+                probe_server(self.s)
+            except ConnectionError as e:  # AuthenticationFailed too: it names the fix
+                raise ConfigError(f"error: {e}") from None
+        if self.resume:
             run_dir.ensure_writable(self.out)
-            return point if point.finished_at(self.s.train.total_steps) else None
+            return None
+        self._new_out = not self.out.exists()
+        self._weights_in_out = self.s.weights.dir is None
         gone = run_dir.prepare_new(
-            self.out, overwrite=self.overwrite, weights_in_out=self.s.weights.dir is None
+            self.out, overwrite=self.overwrite, weights_in_out=self._weights_in_out
         )
         run_dir.ensure_writable(self.out)
         if gone:
             names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in gone)
             print(f"--overwrite: deleted the previous run's {names} in {self.out}", file=sys.stderr)
         return None
+
+    def _undo_new_run(self) -> None:
+        """Remove what this launch of a new run wrote in `--out` (its run artifacts, and the
+        dir itself when it created it) after a failure before any worker started, so that the
+        same command can simply be run again. A resumed run's dir is left as it was."""
+        if self._new_out is None:  # --resume, or the checks failed before --out was touched
+            return
+        with contextlib.suppress(OSError):
+            for p in run_dir.artifacts(self.out, weights_in_out=self._weights_in_out):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+            if self._new_out:
+                self.out.rmdir()  # only when empty: nothing else was in it
 
     def _cpus(self, role: str) -> frozenset[int] | None:
         """Where a process of `role` runs: its `cpu_affinity` cores, else (when the launcher
@@ -601,6 +631,9 @@ class Launcher:
         except KeysError as e:  # the run's keys dir is incomplete or unreadable
             print(e, file=sys.stderr)
             rc = EXIT_CONFIG
+        except (ConnectionError, BusUnavailable, PermissionDenied) as e:  # the server (nats.url)
+            print(f"error: {e}", file=sys.stderr)  # went away, or refused the launcher
+            rc = EXIT_NOT_FINISHED
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`_on_sigterm`)
             how = "terminated" if self.stop_signal == signal.SIGTERM else "interrupted"
             print(f"\n{how}: stopping all workers", file=sys.stderr)
@@ -610,6 +643,8 @@ class Launcher:
             self.stop_all()  # the workers first, the embedded server last
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+            if not self.procs:  # it failed before any worker started: a plain retry works
+                self._undo_new_run()
         summary_path = self.out / "summary.json"
         if rc == 0 and summary_path.exists():
             summary = json.loads(summary_path.read_text())
