@@ -268,7 +268,7 @@ def add_nats_config_command(sub) -> None:
         required=True,
         metavar="RUN_ID",
         help="run id the accounts are for (repeat for several; '*' = every run, coarser: see "
-        "README 'Security: accounts')",
+        "docs/security/accounts.md)",
     )
     n.add_argument("--out", required=True, help="dir for nats-server.conf and <role>.json files")
     n.add_argument(

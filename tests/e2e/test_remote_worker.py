@@ -2,8 +2,8 @@
 
 The joining rollout worker runs in another working directory, with another cache dir and none
 of the launcher's environment: everything it knows comes from `--join RUN_ID --nats-url URL`
-and a copy of its role's credentials file, `--credentials FILE` (the README's scale-out
-command). It must fetch the run's config and model from the bus, and
+and a copy of its role's credentials file, `--credentials FILE` (the scale-out
+command of docs/tutorials/scaling-out.md). It must fetch the run's config and model from the bus, and
 produce samples that the trainer trains on; the run must still end with exact accounting.
 """
 
