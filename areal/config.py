@@ -176,12 +176,14 @@ class NatsSettings(_Part):
     )
     tls_key_file: str | None = Field(None, description="private key (PEM) of nats.tls_cert_file")
     share_max_bytes: int = Field(
-        256 * 1024 * 1024,
+        1024 * 1024 * 1024,
         ge=0,
         description="most bytes `areal run` uploads to the run's files bucket (the model dir, "
         "then the data file) so that `areal worker ROLE --join RUN_ID` works on another host "
-        "(bytes); larger ones are not shared (give those hosts a local copy and --set "
-        "model.path=... / data.source=...); 0 = share only the config",
+        "(bytes); the default, 1 GiB, holds a bf16 model of up to ~0.5B parameters "
+        "(SmolLM2-135M: 273 MB); larger ones are not shared (give those hosts a local copy and "
+        "--set model.path=... / data.source=...); the bucket has no byte cap, so this is disk "
+        "on the NATS server and upload time at launch; 0 = share only the config",
     )
 
 

@@ -217,3 +217,14 @@ def test_a_file_weights_run_is_joined_only_where_its_weights_dir_is(model_dir, t
     weights.mkdir(parents=True)  # this host sees the launcher's dir
     path = joined_config(manifest_of(files), copy, [])
     assert load_settings(path, []).weights.file_dir("x") == str(weights)
+
+
+def test_the_readme_real_model_is_shared_by_default(tmp_path, data_file):
+    # issue 44: SmolLM2-135M imported as bf16 is 272,585,653 bytes, over the old 256 MiB
+    # default, so `--join` could not share the README's own real-model run (model_not_shared)
+    model = tmp_path / "smollm2"
+    model.mkdir()
+    with open(model / "model.safetensors", "wb") as f:
+        f.truncate(272_585_653)  # sparse: the size is all `shared_files` looks at
+    files = shared_files(settings_for(model, data_file))
+    assert "model/model.safetensors" in files and "data/source/tasks.jsonl" in files
