@@ -196,6 +196,7 @@ class Launcher:
         self.last_step = 0  # the highest step record the trainer published (seen live)
         self._new_out: bool | None = None  # a new run: whether --out did not exist before it
         self._weights_in_out = False  # a new run: its weights dir is <out>/weights
+        self.resumed_from: run_dir.ResumePoint | None = None  # --resume: the checkpoint
         w = settings.watchdog
         self.watchdog = LauncherWatchdog(
             WatchdogPolicy(frozen_after_s=w.frozen_after_s, startup_s=w.startup_s),
@@ -216,7 +217,7 @@ class Launcher:
                 f"{self.out / NATS_KEYS_SUBDIR}: unset them"
             )
         if self.resume:
-            point = run_dir.resume_point(self.out)
+            point = self.resumed_from = run_dir.resume_point(self.out)
             if point.finished_at(self.s.train.total_steps):
                 return point
         if n.url:  # a server of the user's: it answers, or nothing in --out is touched
@@ -564,10 +565,12 @@ class Launcher:
 
     async def _watch(self) -> int:
         from areal.bus.client import Bus
-        from areal.launch.progress import StepProgress
+        from areal.launch.progress import Start, StepProgress
         from schemas import MetricRecord
 
-        progress = StepProgress(self.s.train.total_steps, quiet=self.quiet)
+        point = self.resumed_from  # samples/s counts from there (`progress.samples_per_s`)
+        start = Start(step=point.step or 0, wall_s=point.wall_s) if point else Start()
+        progress = StepProgress(self.s.train.total_steps, quiet=self.quiet, start=start)
         assert self.s.nats.url is not None
 
         async def on_step(rec: MetricRecord) -> None:

@@ -44,6 +44,7 @@ class ResumePoint:
 
     step: int | None
     summary: Path | None
+    wall_s: float = 0.0  # the trainer's wall time at the checkpoint (s, cumulative)
 
     def finished_at(self, total_steps: int) -> bool:
         """True when resuming with `total_steps` has nothing left to train."""
@@ -110,15 +111,16 @@ def resume_point(out: Path) -> ResumePoint:
             f"--resume: {out} holds no run (no config.json): check --out, or drop --resume "
             "to start a new run"
         )
-    step = None
+    step, wall_s = None, 0.0
     state = out / CHECKPOINT_STATE
     if state.is_file():
         try:
-            step = int(json.loads(state.read_text())["trainer"]["step"])
-        except (ValueError, KeyError, TypeError) as e:
+            trainer = json.loads(state.read_text())["trainer"]
+            step, wall_s = int(trainer["step"]), float(trainer.get("wall_s", 0.0))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ConfigError(
                 f"--resume: {state} is unreadable ({e}): restore it, or start a new run with "
                 "--overwrite"
             ) from None
     summary = out / "summary.json"
-    return ResumePoint(step=step, summary=summary if summary.is_file() else None)
+    return ResumePoint(step=step, summary=summary if summary.is_file() else None, wall_s=wall_s)
