@@ -229,8 +229,14 @@ def add_monitor_commands(sub: argparse._SubParsersAction) -> None:
 
     e = sub.add_parser("metrics-exporter", help="Prometheus exporter for a run's metrics")
     _add_conn(e)
-    e.add_argument("--port", type=int, default=9400)
-    e.add_argument("--addr", default="0.0.0.0", help="listen address")
+    e.add_argument("--port", type=int, default=9400, help="listen port (default 9400)")
+    e.add_argument(
+        "--addr",
+        default="127.0.0.1",
+        help="listen address (default 127.0.0.1: this host only; 0.0.0.0 for a Prometheus on "
+        "another host or outside a container: the page shows the run's metrics to anyone who "
+        "reaches it)",
+    )
     e.add_argument(
         "--interval", type=float, default=2.0, metavar="S", help="queue-depth poll period"
     )

@@ -50,3 +50,12 @@ def test_flags_win_over_the_environment(monkeypatch, logging_calls):
 
 def test_defaults_without_flags_or_environment(logging_calls):
     assert _conn(_args(run_id="exp7")) == ("nats://127.0.0.1:4222", "exp7")
+
+
+def test_the_exporter_listens_on_loopback_unless_told_otherwise():
+    # issue 44: it listened on 0.0.0.0 by default, showing the run's metrics to the network
+    from areal.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["metrics-exporter"]).addr == "127.0.0.1"
+    assert p.parse_args(["metrics-exporter", "--addr", "0.0.0.0"]).addr == "0.0.0.0"
