@@ -71,6 +71,8 @@ SELF_DECLARERS = (
 )  # declare the run themselves on a server without accounts
 API = "$JS.API"
 WATCHDOG_EVENTS = ("worker_frozen", "worker_recovered")  # what the launcher's watchdog says
+# the launcher's own events: its watchdog's, and `run_started` (each launch, new or --resume)
+LAUNCHER_EVENTS = (*WATCHDOG_EVENTS, "run_started")
 PASSWORD_BYTES = 24
 
 
@@ -229,7 +231,7 @@ def permissions(role: str, run: str, user: str) -> Permissions:
     if role == "launcher":
         pub = [*common, *_info(kv), *_declare(sc), f"{API}.STREAM.CREATE.{files_obj}"]
         pub += _object_store_write(sc, sc.files_bucket)
-        pub += [sc.subject(S.EVENTS, kind) for kind in WATCHDOG_EVENTS]
+        pub += [sc.subject(S.EVENTS, kind) for kind in LAUNCHER_EVENTS]
         sub = (inbox, sc.subject(S.METRICS, "trainer", ">"), sc.subject(S.EVENTS, ">"))
         sub += (sc.subject(S.METRICS, "*", "heartbeat"),)  # its watchdog (areal.launch.watchdog)
         return Permissions(_unique(pub), sub)

@@ -36,7 +36,7 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError, NotFoundError
 
 from areal.bus.auth import NO_CREDENTIALS, Credentials
 from areal.bus.connection import Patience, Reconnects, connect
-from areal.bus.follow import StoredMsg, StreamFollower, follow_stream
+from areal.bus.follow import StoredMsg, StreamFollower, follow_stream, last_seq
 from schemas import subjects as S
 from schemas.subjects import RunNames, run_of_stream
 
@@ -309,8 +309,16 @@ class TapClient:
         return out
 
     async def run_finished(self) -> bool:
-        """Whether the run's trainer state says it reached its last step (`done`)."""
-        return bool((await self.kv_state()).get("trainer", {}).get("done"))
+        """Whether the run has ended: its trainer state says it reached its last step (`done`)
+        and no launch began since. A `run_started` event stored after the last `run_finished`
+        (events are ordered by stream sequence) is `areal run --resume` extending a finished
+        run, whose trainer has not yet reset the old `done`: not finished."""
+        if not (await self.kv_state()).get("trainer", {}).get("done"):
+            return False
+        stream = self.names.stream(S.EVENTS)
+        ended = await last_seq(self._nc, stream, self.names.events_subject("run_finished"))
+        started = await last_seq(self._nc, stream, self.names.events_subject("run_started"))
+        return started <= ended  # equal: neither is stored (0)
 
     async def on_run_finished(self, cb: Callable[[], None]) -> None:
         """Call `cb` when the run's `run_finished` event is published from now on (core

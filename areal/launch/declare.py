@@ -11,21 +11,35 @@ resumed run brings its streams to the current settings, nothing is deleted.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
+
+import structlog
 
 from areal.config import RunSettings
+
+log = structlog.get_logger()
 
 PROBE_S = 5.0  # the most `areal run` waits for a nats.url to answer before it gives up
 
 
 async def declare_as_launcher(
-    settings: RunSettings, *, first_connect_s: float | None = None
+    settings: RunSettings,
+    *,
+    first_connect_s: float | None = None,
+    started: dict[str, Any] | None = None,
 ) -> None:
     """Connect with the launcher's credentials (`nats.credentials_dir`/launcher.json, or
     `nats.credentials_file`, or none) and declare the run (`Bus.declare`). Raises
     `RunConflictError` / `StorageLimitError` / `AuthenticationFailed` / `PermissionDenied`
     naming the fix, and `ConnectionError` naming the URL when the server does not answer
-    within `first_connect_s` (None: `nats.outage_tolerance_s`)."""
+    within `first_connect_s` (None: `nats.outage_tolerance_s`).
+
+    With `started` (its detail), then publish the `run_started` event: observers (`areal tap`,
+    `top`) take a `run_finished` stored before it for an earlier launch's, not this one's end
+    (`--resume` extending a finished run). Best effort: a server whose accounts predate the
+    event refuses it, and that is logged, not fatal."""
     from areal.bus.client import Bus
+    from areal.bus.errors import PermissionDenied
 
     assert settings.nats.url is not None
     bus = await Bus.connect(
@@ -37,11 +51,27 @@ async def declare_as_launcher(
         declare=True,
         first_connect_s=first_connect_s or settings.nats.outage_tolerance_s,
     )
-    await bus.close()
+    try:
+        if started is not None:
+            try:
+                await bus.event("run_started", **started)
+            except PermissionDenied as e:
+                log.warning(
+                    "run_started_not_published",
+                    error=str(e),
+                    hint="regenerate the server's accounts (`areal nats-config`)",
+                )
+    finally:
+        await bus.close()
 
 
-def declare_run_now(settings: RunSettings, *, first_connect_s: float | None = None) -> None:
-    asyncio.run(declare_as_launcher(settings, first_connect_s=first_connect_s))
+def declare_run_now(
+    settings: RunSettings,
+    *,
+    first_connect_s: float | None = None,
+    started: dict[str, Any] | None = None,
+) -> None:
+    asyncio.run(declare_as_launcher(settings, first_connect_s=first_connect_s, started=started))
 
 
 async def _probe(settings: RunSettings, wait_s: float) -> None:

@@ -310,7 +310,17 @@ class Launcher:
             # on this host checks for it (`join._check_weights_dir`)
             self.s.weights.dir = str(Path(weights_dir).resolve())
             Path(self.s.weights.dir).mkdir(parents=True, exist_ok=True)
-        declare_run_now(self.s)  # as the launcher: workers with accounts may not declare
+        # as the launcher (workers with accounts may not declare), then `run_started`: from
+        # here on a `run_finished` on the bus is an earlier launch's (observers: `areal tap`)
+        point = self.resumed_from
+        declare_run_now(
+            self.s,
+            started={
+                "resumed": self.resume,
+                "step": (point.step or 0) if point else 0,
+                "total_steps": self.s.train.total_steps,
+            },
+        )
         join_hint = share_run(self.s, public_url)
         if join_hint and not self.quiet:
             print(join_hint, file=sys.stderr)

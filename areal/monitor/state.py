@@ -76,7 +76,10 @@ class RunState:
     queues: dict[str, dict[str, Any]] = field(default_factory=dict)  # stream -> QueueStats dict
     kv: dict[str, dict] = field(default_factory=dict)
     evals: dict[int, dict[str, Any]] = field(default_factory=dict)  # eval round -> its record
-    finished: dict[str, Any] | None = None
+    finished: dict[str, Any] | None = None  # the run_finished detail, until a new launch
+    # a launch (`run_started`, e.g. --resume extending a finished run) came after the last
+    # run_finished: the trainer's `done` in KV is the earlier launch's until it resets it
+    relaunched: bool = False
     # observed work-queue traffic: role -> [(time, tokens)], and when observation began
     activity: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     observing_since: float | None = None
@@ -131,10 +134,12 @@ class RunState:
         self.recent_events.append((ev.time, ev.type, ev.worker_id))
         if ev.type in WATCHDOG_EVENTS:
             self.fold_watchdog(ev)
-        elif ev.worker_id:
+        elif ev.worker_id and ev.role != "launcher":  # the launcher is no worker
             self._worker(ev.role, ev.worker_id, ev.time)
         if ev.type == "run_finished":
-            self.finished = dict(ev.detail)
+            self.finished, self.relaunched = dict(ev.detail), False
+        elif ev.type == "run_started":
+            self.finished, self.relaunched = None, True
         if ev.type in (*STORAGE_PAUSED, "storage_recovered") and "since" in ev.detail:
             pause = self.storage.setdefault(f"{ev.worker_id}@{ev.detail['since']}", {})
             if ev.type == "storage_recovered":
@@ -173,6 +178,12 @@ class RunState:
         self.queues = stats
 
     # ------------------------------------------------------------------ derived
+    def is_finished(self) -> bool:
+        """The run ended: its run_finished event, or its trainer's `done` when no launch began
+        after the last run_finished (events replay in stream order)."""
+        done = bool(self.kv.get("trainer", {}).get("done"))
+        return self.finished is not None or (done and not self.relaunched)
+
     def storage_pause(self) -> dict[str, Any] | None:
         """The storage pause under way (the latest, if several workers pause), or None."""
         open_ = [p for p in self.storage.values() if "recovered" not in p and "kind" in p]

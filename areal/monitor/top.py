@@ -83,7 +83,7 @@ def run_panel(st: RunState, now: float) -> Panel:
     tr, ctrl = st.kv.get("trainer", {}), st.kv.get("controller", {})
     rate = st.step_rate()
     pause = st.storage_pause()
-    status = "finished" if st.finished or tr.get("done") else "paused" if pause else "running"
+    status = "finished" if st.is_finished() else "paused" if pause else "running"
     lines = [
         f"run {st.run_id}  [{status}]",
         f"policy version {st.version}   step {last.get('step', tr.get('step', 0))}",
@@ -345,11 +345,29 @@ async def run_top(
         poller = asyncio.create_task(refresh_every(client, st, interval_s))
         try:
             with Live(dashboard(st, time.time()), screen=True, auto_refresh=False) as live:
-                while True:
+                while not (client.lost.is_set() and st.is_finished()):
                     await asyncio.sleep(interval_s)
-                    check_server(client, "top")  # a dashboard of a vanished server would lie
+                    if not st.is_finished():  # a run that ended may take its server along
+                        check_server(client, "top")  # a dashboard of a vanished one would lie
                     live.update(dashboard(st, time.time()), refresh=True)
         finally:
             poller.cancel()
+        note(finished_line(st))  # after the screen is restored: this line stays
+        return 0
     finally:
         await client.close()
+
+
+def finished_line(st: RunState) -> str:
+    """What `top` says when the run it watched ended and its server went away with it."""
+    s = st.finished or {}
+    last = st.last_step or {}
+    steps = s.get("steps", last.get("step", st.kv.get("trainer", {}).get("step", "?")))
+    reward = s.get("final_reward")
+    wall = s.get("wall_s")
+    return (
+        f"top: run {st.run_id} finished at step {steps}"
+        + (f", final reward {reward:.3f}" if isinstance(reward, int | float) else "")
+        + (f", {wall:.1f} s of training" if isinstance(wall, int | float) else "")
+        + "; its NATS server is gone"
+    )

@@ -1,6 +1,7 @@
 """Observers never wait in silence: `areal tap | top | metrics-exporter` against a dead address
 fail in under 15 s naming the URL; a tap stops, saying why, when its server goes away or its run
-finishes.
+finishes; `top` says the run finished and exits 0 when a finished run's server goes away; a
+`run_finished` of an earlier launch does not end a tap of a run resumed after it.
 
 The dead-address and lost-server checks run the real CLI in a subprocess: the bound is what a
 user sees, interpreter start included.
@@ -9,9 +10,11 @@ user sees, interpreter start included.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -175,3 +178,83 @@ async def test_tap_on_a_finished_run_replays_its_history_then_stops(nats_url, ru
     rc, lines, notes = await tap_history(5)  # asked for more than will ever come
     assert rc == 1 and len(lines) == 2 and notes[-1].endswith("(2/5 messages)")
     await bus.close()
+
+
+async def test_tap_after_a_resume_of_a_finished_run_follows_the_new_launch(nats_url, run_id):
+    # issue 44: right after `areal run --resume` extended a finished run, the trainer's `done`
+    # in KV and the stored run_finished are the earlier launch's; the launcher's run_started
+    # event, stored after them, says a new launch is under way
+    trainer = await Bus.connect(nats_url, run_id, "trainer", "trainer-0")
+    await trainer.kv_put("trainer", TrainerState(step=2, done=True))
+    await trainer.event("run_finished", steps=2)
+    launcher = await Bus.connect(nats_url, run_id, "launcher", "launcher", declare=False)
+    await launcher.event("run_started", resumed=True, step=2, total_steps=4)
+    lines: list[str] = []
+    notes: list[str] = []
+
+    async def step_once_tapped() -> None:
+        while not any(n.startswith("tap: following") for n in notes):
+            await asyncio.sleep(0.05)
+        await trainer.metric("step", {"step": 3})
+
+    stepper = asyncio.ensure_future(step_once_tapped())
+    rc = await asyncio.wait_for(
+        run_tap(
+            nats_url,
+            run_id,
+            "metrics",
+            tap=Tap(emit=lines.append, count=1),
+            history=0,
+            timeout_s=None,
+            note=notes.append,
+        ),
+        HANG_GUARD_S,
+    )
+    await stepper
+    assert rc == 0 and len(lines) == 1 and "step=3" in lines[0], (lines, notes)
+    assert not any("has finished" in n for n in notes), notes
+    await launcher.close()
+    await trainer.close()
+
+
+def _has_client(monitor_port: int, name: str) -> bool:
+    url = f"http://127.0.0.1:{monitor_port}/connz"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return any(c.get("name") == name for c in json.load(resp).get("connections") or [])
+
+
+async def test_top_exits_0_saying_the_run_finished_when_its_server_goes(tmp_path):
+    # issue 44: `areal top` exited 2 ("lost the NATS server") at the normal end of a run,
+    # whose launcher stops its embedded server
+    monitor_port = free_port()
+    server = EmbeddedNats(tmp_path / "nats", monitor_port=monitor_port).start()
+    url = server.url
+    try:
+        bus = await Bus.connect(url, "ends", "trainer", "trainer-0")
+        await bus.kv_put("trainer", TrainerState(step=2, done=True))
+        await bus.event("run_finished", steps=2, final_reward=0.5, wall_s=12.0)
+        await bus.close()
+        top = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "areal.cli",
+            "top",
+            "--run",
+            "ends",
+            "--nats-url",
+            url,
+            "--interval",
+            "0.2",
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not await asyncio.to_thread(_has_client, monitor_port, "areal-top-ends"):
+            assert top.returncode is None and time.monotonic() < deadline, "top never attached"
+            await asyncio.sleep(0.1)
+    finally:
+        server.stop()
+    _, err = await asyncio.wait_for(top.communicate(), HANG_GUARD_S)
+    assert top.returncode == 0, err.decode()
+    assert "top: run ends finished at step 2, final reward 0.500" in err.decode(), err.decode()

@@ -171,3 +171,21 @@ def test_admission_keeps_the_latest_record():
     )
     assert st.admission["admitted"] == 16
     assert "controller-0" in st.workers
+
+
+def test_a_launch_after_the_run_finished_reopens_it():
+    # issue 44: `--resume` of a finished run (a larger total_steps); the trainer's `done` in
+    # KV stays the earlier launch's until its restored trainer resets it
+    st = RunState()
+    st.kv = {"trainer": {"step": 8, "done": True}}
+    finished = Event(type="run_finished", role="trainer", worker_id="trainer-0", time=6.0)
+    st.fold(finished)
+    assert st.is_finished()
+    st.fold(Event(type="run_started", role="launcher", worker_id="launcher", time=7.0))
+    assert not st.is_finished() and st.finished is None
+    assert "launcher" not in st.workers  # the launcher is no worker
+    st.fold(finished.model_copy(update={"time": 9.0}))  # the extended run ends too
+    assert st.is_finished()
+    # a run that finished with no launch event on record (an older launcher): its KV says so
+    old = RunState(kv={"trainer": {"done": True}})
+    assert old.is_finished()

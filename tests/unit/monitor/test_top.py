@@ -102,3 +102,23 @@ def test_a_worker_the_watchdog_named_frozen_shows_as_frozen_until_it_beats_again
     st.fold(beat("rollout-0", 1040.0, busy_frac=0.5))  # its restart's first heartbeat
     out = text_of(Group(*render_panels(st, now=1041.0)))
     assert "FROZEN" not in out
+
+
+def test_the_run_panel_says_running_after_a_resume_of_a_finished_run():
+    from schemas import Event
+
+    st = RunState(run_id="r", kv={"trainer": {"step": 8, "done": True}})
+    st.fold(Event(type="run_finished", role="trainer", worker_id="trainer-0", time=1.0))
+    assert "[finished]" in text_of(render_panels(st, 2.0)[0])
+    st.fold(Event(type="run_started", role="launcher", worker_id="launcher", time=2.0))
+    assert "[running]" in text_of(render_panels(st, 3.0)[0])
+
+
+def test_the_finished_line_names_the_run_its_last_step_and_reward():
+    from areal.monitor.top import finished_line
+
+    st = RunState(run_id="r1", finished={"steps": 8, "final_reward": 0.875, "wall_s": 42.0})
+    assert finished_line(st) == (
+        "top: run r1 finished at step 8, final reward 0.875, 42.0 s of training; "
+        "its NATS server is gone"
+    )
