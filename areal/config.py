@@ -853,6 +853,11 @@ def _format_errors(
             if "input" in err and not isinstance(err["input"], dict)
             else ""
         )
+        if err["type"] in ("value_error", "assertion_error"):
+            # our validators' own words, which name the setting and the fix: without
+            # pydantic's "Value error, " and without the section (or "<config>") in front
+            lines.append(f"config error: {_own_message(err)}")
+            continue
         hint = _literal_hint(err) if err["type"] == "literal_error" else ""
         fix = (
             hint
@@ -861,6 +866,18 @@ def _format_errors(
         )
         lines.append(f"config error: {name}: {err['msg']}{got}; {fix}")
     return "\n".join(lines)
+
+
+def _own_message(err: Any) -> str:
+    """The message a validator raised (`ValueError` / `assert`), without the prefix pydantic
+    puts in front ("Value error, ", "Assertion failed, ")."""
+    error = err.get("ctx", {}).get("error")
+    if error is not None and str(error):
+        return str(error)
+    msg = str(err["msg"])
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    return msg
 
 
 def load_settings(
@@ -949,7 +966,7 @@ def load_monitor_settings() -> MonitorSettings:
     except ValidationError as e:
         raise ConfigError(
             "\n".join(
-                f"config error: {_monitor_env_name(err['loc'])}: {err['msg']} "
+                f"config error: {_monitor_env_name(err['loc'])}: {_own_message(err)} "
                 f"(got {err.get('input')!r}); fix or unset that environment variable"
                 for err in e.errors()
             )

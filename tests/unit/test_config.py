@@ -210,3 +210,30 @@ def test_episode_settings_default_to_single_turn_and_resolve_the_episode_budget(
 def test_bad_episode_settings_name_the_field(override, match):
     with pytest.raises(ConfigError, match=match):
         load_settings(None, [override])
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        (
+            "train.nproc=2",
+            "config error: train.nproc=2 needs a distributed engine: set train.engine=fsdp or "
+            "deepspeed, or train.nproc=1",
+        ),
+        (
+            "train.n_minibatches=100000",
+            "config error: train.n_minibatches=100000 exceeds the 128 samples of a step "
+            "(algo.batch_size * algo.group_size)",
+        ),
+        (
+            "reward.range=[1,0]",
+            "config error: reward.range [1.0, 0.0] must be finite [lo, hi], lo <= hi",
+        ),
+    ],
+)
+def test_a_cross_field_error_is_the_validators_own_line(override, line):
+    # issue 44: they read "config error: train: Value error, train.nproc=2 ...; set it in the
+    # YAML or with --set train=..." (pydantic's prefix, and a --set that cannot work)
+    with pytest.raises(ConfigError) as e:
+        load_settings(None, ["algo.batch_size=16", "algo.group_size=8", override])
+    assert str(e.value) == line
