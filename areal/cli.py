@@ -11,6 +11,10 @@ import argparse
 import difflib
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the config module loads pydantic: imported by the commands that need it
+    from areal.config import RunSettings
 
 # `areal worker ROLE`: each role is `workers/<role>.py` (its --help lists the role's flags)
 WORKER_ROLES = {
@@ -49,6 +53,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    if args.config is None:  # never a silent default run
+        print(no_config_note(settings), file=sys.stderr)
     setup_logging(level=settings.log_level, log_format=settings.log_format, role="launcher")
     from areal.launch.local import Launcher
 
@@ -59,6 +65,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         max_restarts=args.max_restarts,
     ).run()
+
+
+def no_config_note(settings: RunSettings) -> str:
+    """The one line `areal run` without a config file says: what it runs instead."""
+    return (
+        f"areal run: no config file given: running the built-in defaults ({settings.data.source}"
+        f", {settings.train.total_steps} steps, --out {settings.out_dir}) with any AREAL_* "
+        "variables and --set applied; the quickstart is `areal run examples/arithmetic.yaml`"
+    )
 
 
 def worker_usage() -> str:
