@@ -212,7 +212,7 @@ def profile_section(
 
 
 def markdown(header: str, table: str, prof_section: str, png: str) -> str:
-    """The whole `bench/results/bus<tag>.md`."""
+    """The whole `bus<tag>.md` report."""
     return (
         "# Bus benchmark\n\n"
         + header

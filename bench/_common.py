@@ -18,8 +18,21 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def results_dir() -> Path:
+    """Where a benchmark writes its report (.md, .json, .png) by default: outside the
+    checkout, so a run leaves the work tree clean: `$AREAL_BENCH_RESULTS`, else
+    `<AREAL_CACHE_DIR or ~/.cache/areal-bus>/bench-results`. To update the committed tables the
+    docs cite: `AREAL_BENCH_RESULTS=bench/results python bench/<script>.py`."""
+    if os.environ.get("AREAL_BENCH_RESULTS"):
+        return Path(os.environ["AREAL_BENCH_RESULTS"]).resolve()
+    cache = os.environ.get("AREAL_CACHE_DIR") or Path.home() / ".cache" / "areal-bus"
+    return Path(cache) / "bench-results"
+
+
+RESULTS_DIR = results_dir()
 
 
 def cpu_model() -> str:
@@ -94,7 +107,7 @@ def report(title: str, header: dict[str, str], table: str, summary: list[str]) -
 
 
 def write_report(stem: str, text: str, data: object) -> None:
-    """`<stem>.md` (the report, also printed) and `<stem>.json` (`data`) in bench/results."""
+    """`<stem>.md` (the report, also printed) and `<stem>.json` (`data`) in `RESULTS_DIR`."""
     md = write_result(f"{stem}.md", text)
     write_result(f"{stem}.json", json.dumps(data, indent=1))
     print(text)

@@ -43,7 +43,7 @@ of the rollout's last heartbeat, replayed from the run's metrics stream), traine
 (`trainer_idle_frac` of the last step), mean staleness and interrupted fraction. Headline:
 async samples/s over the fastest sync variant's.
 
-    python bench/async_vs_sync.py [--quick] [--subset] [--steps N] [--out bench/results]
+    python bench/async_vs_sync.py [--quick] [--subset] [--steps N] [--out DIR]
 
 Writes <out>/async_vs_sync.md, .png and .json (per-step curves).
 """

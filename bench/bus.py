@@ -24,7 +24,8 @@ Layout: `_bus_load.py` (part 1), `_bus_profile.py` (part 2, py-spy and the billi
 `_bus_report.py` (tables, plot); this file is the command line.
 
 No timing assertions: it prints a machine header, the command and markdown tables, and writes
-`bench/results/bus.md` and `bench/results/bus.png`.
+`bus.md` and `bus.png` in the results dir
+(bench/_common.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ run is stopped with Ctrl-C, resumed to a few more steps with `--resume`, and aud
 - restarts used, max staleness, dead letters, and the time lost to each fault class (the time
   from a fault to the run's third step after it, beyond three median step times).
 
-It prints a table and writes bench/results/chaos.{md,json}. Nothing here asserts a number.
+It prints a table and writes chaos.{md,json} to the results dir
+(bench/_common.py). Nothing here asserts a number.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ from a git worktree of REV too, interleaved, from this venv.
 
     python bench/cluster_stall.py [--repeats 4] [--compare HEAD~1] [--tag _x] [--keep DIR]
 
-Writes bench/results/cluster_stall<tag>.md and .json.
+Writes cluster_stall<tag>.md and .json to the results dir
+(bench/_common.py).
 """
 
 from __future__ import annotations

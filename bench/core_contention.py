@@ -6,7 +6,7 @@ physical core, or share a memory bus that one job already fills). This runs the 
 single-threaded torch job (a trainer-like MLP forward + backward, and a 512x512 matmul) on each
 core alone, then on every core at once, and prints each core's rate both ways.
 
-    python bench/core_contention.py [--iters 300] [--out bench/results]
+    python bench/core_contention.py [--iters 300] [--out DIR]
 
 Writes <out>/core_contention.md.
 

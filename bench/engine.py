@@ -22,7 +22,8 @@ shared prompts on vs off.
     python bench/engine.py [--quick]
 
 One torch thread (on a shared 2-core box two threads made the tiny model ~80x slower); every
-number is the median of repeats (best in brackets). Writes bench/results/engine.md and .png.
+number is the median of repeats (best in brackets). Writes engine.md and .png to the
+results dir (bench/_common.py).
 """
 
 from __future__ import annotations

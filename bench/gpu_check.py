@@ -330,7 +330,9 @@ def run_part(plan: Plan, name: str, work: Path) -> Result:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, few tokens")
-    ap.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="results JSON (default: in _common.RESULTS_DIR)"
+    )
     ap.add_argument("--_part", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._part:
@@ -357,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS_DIR / f"gpu_check{'_dry' if args.dry_run else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    print(f"wrote {out}")
     return 1 if any(r.status == "FAIL" for r in results) else 0
 
 

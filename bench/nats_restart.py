@@ -11,7 +11,8 @@ one machine in one sitting.
 
     python bench/nats_restart.py [--repeats 2] [--compare HEAD~1] [--tag _x]
 
-Writes bench/results/nats_restart<tag>.md and .json.
+Writes nats_restart<tag>.md and .json to the results dir
+(bench/_common.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ cached), runs `areal run examples/smollm2_gsm.yaml` on a private nats-server for
 reads the run's `eval.jsonl`: the rollout workers answer the held-out set greedily at every
 K-th policy version (version 0 is the starting model) while training goes on. It writes a
 table (markdown + JSON) and a PNG of held-out accuracy against wall time, with the training
-reward beside it, to bench/results/real_model.*.
+reward beside it, to real_model.* in the results dir
+(bench/_common.py).
 
 Nothing here is tuned to a result: the numbers are whatever the run produced.
 """

@@ -10,7 +10,7 @@ time (trainer start -> last step), samples/s (trained samples / wall), max stale
 (sample staleness = lag of its oldest token), groups dropped as stale, mean fraction of tokens
 masked by the behaviour-importance-weight cap, mean PPO clip fraction.
 
-    python bench/staleness_ablation.py [--quick] [--steps N] [--out bench/results]
+    python bench/staleness_ablation.py [--quick] [--steps N] [--out DIR]
 
 Writes <out>/staleness_ablation.md, .png (reward vs step and vs wall time) and .json (per-step
 curves). No core pinning here: every run gets the whole machine as `areal run` starts it.

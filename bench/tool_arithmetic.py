@@ -12,7 +12,7 @@ nats-server, one after the other. From each run's `metrics.jsonl` it reads, per 
 training reward, `tool_ok_frac` (episodes that called the tool and whose every call ran) and
 `tool_call_frac` (episodes that called it), and prints a table of their means over the first
 and the last 5 steps with the RL loop's wall time (the trainer's `wall_s`) and the whole
-run's. Writes bench/results/tool_arithmetic.{md,json} and docs/img/tool_arithmetic.png.
+run's. Writes tool_arithmetic.{md,json,png} to the results dir (bench/_common.py).
 
 Nothing here is tuned to a result: the numbers are whatever the runs produced.
 """
@@ -35,7 +35,7 @@ CONFIGS = {  # from the repository root, where the runs start
     "calc tool": Path("examples/tool_arithmetic.yaml"),
     "no tool": Path("examples/tool_arithmetic_no_tool.yaml"),
 }
-PNG = REPO_ROOT / "docs" / "img" / "tool_arithmetic.png"
+PNG = RESULTS_DIR / "tool_arithmetic.png"  # docs/img/ holds the one the docs show
 STEP_KEYS = (  # what the JSON keeps of each step record
     "step",
     "wall_s",

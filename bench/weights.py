@@ -22,7 +22,7 @@ A case whose memory (blob x fetchers + the publisher's state dict, plus 25% and 
 `--mem-budget-gib` (default 60% of the memory available at start) is skipped, the reason in the
 table. `--quick`: a 64 MiB model, 1 and 2 fetchers, 256 MiB bounds (a smoke test).
 No timing assertions: it prints a machine header and a markdown table, and writes
-`bench/results/weights[_quick].{md,json,png}`.
+`weights[_quick].{md,json,png}` in the results dir (bench/_common.py).
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "is shared)",
     )
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per case, a hang guard")
-    ap.add_argument("--out", type=Path, default=None, help="results dir (default bench/results)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="results dir (default: _common.RESULTS_DIR)"
+    )
     ap.add_argument("--_role", nargs=2, help=argparse.SUPPRESS)  # publish|fetch CASE_JSON
     return ap.parse_args(argv)
 
