@@ -224,6 +224,7 @@ async def test_a_failing_refuse_hands_the_message_back_for_another_try(nats_url,
     await bus.close()
 
 
+@pytest.mark.slow  # ~5 s on 2 cores: outlives an ack wait
 async def test_lease_heartbeat_prevents_redelivery_of_long_work(nats_url, run_id):
     bus = await make_bus(nats_url, run_id, ack_wait_s=1.5)
     await bus.publish(S.TRAJECTORIES, make_sample())

@@ -55,6 +55,7 @@ async def test_a_run_on_a_cluster_keeps_three_copies_and_redeclares_idempotently
     await bus.close()
 
 
+@pytest.mark.slow  # ~8 s on 2 cores: a 3-node cluster forming
 async def test_a_run_declared_before_the_cluster_has_formed_waits_for_it(tmp_path):
     """Two of three nodes up, the third never seen yet (a compose stack starting): the meta
     layer has no leader yet, or three copies have nowhere to go (JetStream's "no suitable peers

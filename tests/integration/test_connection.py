@@ -68,6 +68,7 @@ async def test_a_deliberate_close_is_quiet_and_a_lost_server_is_a_warning(
     assert watcher.is_closed
 
 
+@pytest.mark.slow  # ~10 s on 2 cores: a server restart within the tolerance
 async def test_a_reconnect_in_time_keeps_the_connection(tmp_path: Path, logs: Recorder):
     lost: list[str] = []
     server = EmbeddedNats(tmp_path / "nats").start()

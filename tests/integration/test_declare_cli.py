@@ -27,6 +27,7 @@ def declare(url: str, *sets: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # ~8 s on 2 cores: the CLI in subprocesses
 async def test_areal_declare_makes_the_run_with_the_launchers_account(tmp_path, run_id):
     keys = tmp_path / "keys"
     auth = authorization_block(ensure_accounts(keys, [run_id]))

@@ -26,6 +26,7 @@ async def tap_cli(capsys, *argv: str) -> tuple[int, list[str]]:
     return rc, capsys.readouterr().out.splitlines()
 
 
+@pytest.mark.slow  # ~6 s on 2 cores: a CLI in a subprocess
 async def test_history_replays_the_last_n_then_follows_live(nats_url, run_id, capsys):
     bus = await Bus.connect(nats_url, run_id, "trainer", "trainer-0")
     for step in range(1, 6):

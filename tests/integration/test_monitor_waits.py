@@ -60,6 +60,7 @@ def assert_fails_fast(result: tuple[int, str, float], url: str) -> None:
     assert elapsed < BOUND_S, (elapsed, err)
 
 
+@pytest.mark.slow  # ~7 s on 2 cores: CLIs in subprocesses
 async def test_tap_and_top_against_a_dead_address_fail_fast_with_the_reason():
     url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
     tap, top = await asyncio.gather(
@@ -71,6 +72,7 @@ async def test_tap_and_top_against_a_dead_address_fail_fast_with_the_reason():
     assert f"waiting for NATS at {url}; giving up after" in tap[1]  # said while it waited
 
 
+@pytest.mark.slow  # ~7 s on 2 cores: CLIs in subprocesses
 async def test_exporter_and_run_discovery_against_a_dead_address_fail_fast():
     url = f"nats://127.0.0.1:{free_port()}"
     port = str(free_port())
@@ -82,6 +84,7 @@ async def test_exporter_and_run_discovery_against_a_dead_address_fail_fast():
     assert_fails_fast(discover, url)
 
 
+@pytest.mark.slow  # ~11 s on 2 cores: waits out a lost server
 async def test_tap_stops_with_a_message_when_its_server_stops(tmp_path):
     server = EmbeddedNats(tmp_path / "nats").start()
     url = server.url
@@ -223,6 +226,7 @@ def _has_client(monitor_port: int, name: str) -> bool:
         return any(c.get("name") == name for c in json.load(resp).get("connections") or [])
 
 
+@pytest.mark.slow  # ~12 s on 2 cores: a run's server stops under a CLI in a subprocess
 async def test_top_exits_0_saying_the_run_finished_when_its_server_goes(tmp_path):
     # issue 44: `areal top` exited 2 ("lost the NATS server") at the normal end of a run,
     # whose launcher stops its embedded server

@@ -198,6 +198,7 @@ async def declared(url: str, run_id: str, creds) -> None:
     await (await bus_of(url, run_id, "launcher", creds)).close()
 
 
+@pytest.mark.slow  # ~29 s on 2 cores: every role against every permission it lacks, each waiting for the server's refusal
 async def test_roles_are_refused_what_is_not_theirs(secure, run_id):
     server, creds = secure
     await declared(server.url, run_id, creds)
@@ -300,6 +301,7 @@ async def test_an_unauthenticated_or_wrong_client_cannot_connect(secure, run_id)
         await Bus.connect(server.url, run_id, "rollout", "rollout-0", NatsSettings())
 
 
+@pytest.mark.slow  # ~5 s on 2 cores: waits for the server's refusals
 async def test_accounts_of_one_run_are_refused_another_runs_subjects(tmp_path):
     keys = tmp_path / "keys"
     accounts = ensure_accounts(keys, ["run-a", "run-b"])
@@ -336,6 +338,7 @@ def _self_signed(tmp: Path) -> tuple[Path, Path] | None:
     return cert, key
 
 
+@pytest.mark.slow  # ~6 s on 2 cores: generates TLS keys, starts a server
 async def test_the_generated_config_file_starts_a_server_with_tls(tmp_path, run_id):
     """`areal nats-config`'s output as an operator would use it: nats-server -c FILE."""
     from areal.bus.embedded import find_nats_server

@@ -114,6 +114,7 @@ async def test_a_clean_serve_releases(nats_url, run_id):
     await bus.close()
 
 
+@pytest.mark.slow  # ~6 s on 2 cores: two worker processes
 async def test_a_second_controller_worker_exits_with_a_config_error(nats_url, run_id, tmp_path):
     """The whole worker path: `areal worker controller` on a run whose controller is alive
     exits with EXIT_CONFIG (not restarted) and says who holds the run, before its prepare (a

@@ -43,6 +43,7 @@ class Probe:
         self.seen.update(reconnects=self.bus.reconnects, admitted=state.admitted if state else None)
 
 
+@pytest.mark.slow  # ~6 s on 2 cores: waits out a ping budget
 def test_a_warm_start_longer_than_the_ping_budget_keeps_the_worker_connected(strict_server, run_id):
     warm_start_s = 3 * PING_INTERVAL_S * PING_MAX  # well past the budget (6 s vs 2 s)
     seen: dict = {}

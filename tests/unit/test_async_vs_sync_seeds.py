@@ -213,6 +213,7 @@ def test_the_waits_are_set_against_the_batch_tails(tmp_path):
     assert "| 2 of 4 | 1.00 / 0.60 |" in out
 
 
+@pytest.mark.slow  # ~8 s on 2 cores: the pooling report's plots
 def test_seed_mean_curves_give_one_time_to_target(tmp_path):
     # per step i (1-30) the two seeds' rewards are i/30 + 0.1 and i/30 - 0.1: their mean is i/30
     # in both modes. Target 0.9 x the sync curve's last 10 (mean 25.5/30) = 0.765; the rolling

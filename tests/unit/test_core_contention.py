@@ -12,6 +12,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
+@pytest.mark.slow  # ~17 s on 2 cores: it times real CPU work
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to compare")
 def test_it_times_each_core_alone_and_together(tmp_path):
     out = subprocess.run(

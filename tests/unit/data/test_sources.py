@@ -81,6 +81,7 @@ def test_procedural_split_too_big_for_the_problem_space_fails_clearly():
             train.get(i)
 
 
+@pytest.mark.slow  # ~5 s on 2 cores: loads the CHAMP dataset several times
 @needs_champ
 def test_champ_split_is_disjoint_and_independent_of_the_run_seed():
     data = DataSettings(source="champ", eval_size=30)

@@ -192,6 +192,7 @@ def test_a_lock_released_in_time_is_taken_and_the_model_built(tmp_path, monkeypa
     assert lock.read_text() == ""  # the holder's record goes with the lock
 
 
+@pytest.mark.slow  # ~12 s on 2 cores: a fresh interpreter that builds a warm start
 def test_a_cached_warm_start_is_found_without_importing_torch(tmp_path):
     """The launcher finds the cached model through this module before it spawns any worker:
     importing torch and transformers there cost seconds of every run's start-up."""

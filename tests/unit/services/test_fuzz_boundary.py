@@ -315,6 +315,7 @@ def good_group(seq: int, reward: float = 1.0, bad_reward: float | None = None) -
     )
 
 
+@pytest.mark.slow  # ~14 s on 2 cores: hundreds of generated lies
 @FUZZ
 @given(st.one_of(lying_group(), garbage()))
 def test_the_trainer_refuses_every_lie_and_files_nothing(loop, msg):
@@ -339,6 +340,7 @@ def test_the_trainer_refuses_every_reward_outside_the_range(loop, reward):
     assert all(not g.samples for g in svc.intake.groups.values())
 
 
+@pytest.mark.slow  # ~15 s on 2 cores: hundreds of generated lies
 @FUZZ
 @given(st.one_of(lying_group(), garbage()))
 def test_the_reward_worker_refuses_every_lie_and_scores_nothing(loop, msg):
@@ -389,6 +391,7 @@ def lying_task(draw) -> dict:
     return good
 
 
+@pytest.mark.slow  # ~6 s on 2 cores: hundreds of generated lies
 @FUZZ
 @given(st.one_of(lying_task(), garbage()))
 def test_the_rollout_refuses_every_lying_task_and_schedules_nothing(loop, msg):

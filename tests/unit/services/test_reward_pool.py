@@ -62,6 +62,7 @@ async def test_a_scorer_that_exits_or_raises_oddly_costs_only_its_own_sample(fn,
         svc.close()
 
 
+@pytest.mark.slow  # ~7 s on 2 cores: pool processes restart
 @pytest.mark.asyncio
 async def test_a_call_broken_by_another_calls_reset_is_retried_not_blamed(tmp_path: Path):
     # Two calls in flight (pool_workers=2, batch_size=3): B = [hang-once, "7", "8"] and
@@ -91,6 +92,7 @@ async def test_scoring_after_close_raises_instead_of_answering():
     assert svc.heartbeat()["pool_resets"] == 0
 
 
+@pytest.mark.slow  # ~8 s on 2 cores: pool processes crash and restart
 @pytest.mark.asyncio
 async def test_other_samples_crashes_never_score_an_innocent_sample_zero():
     """With 2 scoring processes, samples that crash theirs reset the pool again and again, and

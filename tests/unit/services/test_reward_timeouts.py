@@ -62,6 +62,7 @@ async def test_a_hanging_sample_times_out_alone_in_its_batch(fn: str):
         svc.close()
 
 
+@pytest.mark.slow  # ~15 s on 2 cores: waits out a hard timeout and a pool restart
 @pytest.mark.asyncio
 async def test_a_hang_the_alarm_cannot_stop_is_killed_with_its_pool():
     # `unstoppable` blocks SIGALRM, so only the backstop (3 x 1.0 s + 5 s slack for the batch,
