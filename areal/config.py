@@ -588,6 +588,72 @@ class WatchdogSettings(_Part):
     )
 
 
+TrackerName = Literal["tensorboard", "wandb", "mlflow"]
+
+
+class TrackingSettings(_Part):
+    """Experiment trackers the trainer logs to: every step record, every eval round and the run's
+    config (`areal.tracking`). `tracking: [tensorboard, wandb]` is short for
+    `tracking: {backends: [tensorboard, wandb]}`. A tracker that fails warns once and is
+    switched off; training never waits for one."""
+
+    backends: list[TrackerName] = Field(
+        default_factory=list,
+        description="trackers to log to: tensorboard (event files in <out_dir>/tb), wandb "
+        "(Weights & Biases; offline files in <out_dir>/wandb without an API key), mlflow "
+        "(mlflow_uri); pip install 'areal-bus[tracking]'. Empty = none",
+    )
+    project: str = Field(
+        "areal-bus", min_length=1, description="W&B project and MLflow experiment name"
+    )
+    run_name: str | None = Field(
+        None, description="the run's name in W&B and MLflow; None = the name of out_dir"
+    )
+    tags: list[str] = Field(
+        default_factory=list, description="W&B tags; MLflow tags (each with the value 'true')"
+    )
+    mlflow_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI (http://host:5000, sqlite:///mlflow.db, a dir); "
+        "None = a file store in <out_dir>/mlruns",
+    )
+    wandb_mode: Literal["auto", "online", "offline"] = Field(
+        "auto",
+        description="auto: online when an API key is found (WANDB_API_KEY or `wandb login`) "
+        "and WANDB_MODE does not say otherwise, else offline (`wandb sync` the run dir later)",
+    )
+    queue_size: int = Field(
+        1000,
+        ge=1,
+        le=1_000_000,
+        description="records waiting per tracker; past it new records are dropped and counted "
+        "(a tracker slower than training never holds the trainer back)",
+    )
+    close_timeout_s: float = Field(
+        10.0,
+        ge=0,
+        le=600,
+        description="at the run's end, how long the trainer waits for the trackers to write "
+        "what is queued and close (s, all together); a tracker still busy then is left behind",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _list_is_backends(cls, v: Any) -> Any:
+        """`tracking: [tensorboard, wandb]` or `--set tracking=tensorboard,mlflow`."""
+        if isinstance(v, str):
+            v = [b.strip() for b in v.split(",") if b.strip()]
+        if isinstance(v, list | tuple):
+            return {"backends": list(v)}
+        return v
+
+    @model_validator(mode="after")
+    def _no_repeats(self) -> TrackingSettings:
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"tracking.backends {self.backends} names a tracker twice")
+        return self
+
+
 def _upper(v: object) -> object:
     return v.upper() if isinstance(v, str) else v
 
@@ -641,6 +707,7 @@ class RunSettings(BaseSettings):
     train: TrainSettings = Field(default_factory=TrainSettings)
     eval: EvalSettings = Field(default_factory=EvalSettings)
     watchdog: WatchdogSettings = Field(default_factory=WatchdogSettings)
+    tracking: TrackingSettings = Field(default_factory=TrackingSettings)
 
     @classmethod
     def settings_customise_sources(

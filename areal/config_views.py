@@ -8,6 +8,8 @@ settings.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
 from areal.config import (
@@ -19,6 +21,7 @@ from areal.config import (
     RewardSettings,
     RolloutSettings,
     RunSettings,
+    TrackingSettings,
     TrainSettings,
     WeightsSettings,
 )
@@ -107,10 +110,14 @@ class TrainerView(_View):
     mask_overlong: bool  # rollout.overlong == "mask": cut samples are kept out of the loss
     sample_limits: dict[str, int]  # what a sample may hold (`RolloutSettings.sample_limits`)
     reward_range: tuple[float, float]  # what a published reward may be
+    tracking: TrackingSettings
+    run_config: dict[str, Any]  # the resolved settings, for the trackers (logged once)
 
     @classmethod
     def of(cls, s: RunSettings) -> TrainerView:
         return cls(
+            tracking=s.tracking,
+            run_config=s.model_dump(mode="json"),
             sample_limits=s.rollout.sample_limits(),
             reward_range=s.reward_range(),
             seed=s.seed,

@@ -97,6 +97,7 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService | RankZeroService:
     from areal.core.intake import IntakePolicy
     from areal.core.validate import Bounds
     from areal.services.trainer import TrainerOptions, TrainerService
+    from areal.tracking import tracker_for
 
     v = parts.view
     a, t = v.algo, v.train
@@ -127,7 +128,8 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService | RankZeroService:
             reward_range=v.reward_range,
         ),
     )
-    service = TrainerService(bus, parts.engine, opts, Path(v.out_dir))
+    tracker = tracker_for(v.tracking, out_dir=Path(v.out_dir), config=v.run_config)
+    service = TrainerService(bus, parts.engine, opts, Path(v.out_dir), tracker)
     if parts.grouped:
         from areal.launch.ranks import RankZeroService
 

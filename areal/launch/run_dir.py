@@ -33,6 +33,9 @@ RUN_ARTIFACTS = (
     "nats",
     "logs",
     "keys",  # the default security.keys_dir: a new run gets new keys
+    "tb",  # experiment trackers (`tracking`): TensorBoard, W&B, MLflow's default file store
+    "wandb",
+    "mlruns",
 )
 CHECKPOINT_STATE = Path("checkpoint") / "trainer_state.json"
 

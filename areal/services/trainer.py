@@ -44,6 +44,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -61,6 +62,9 @@ from areal.services.storage import StorageGuard
 from schemas import MetricRecord, Sample, ScoredGroup
 from schemas import subjects as S
 from schemas.state import CONTROLLER_KEY, TRAINER_KEY, ControllerState, RunSummary, StepRecord
+
+if TYPE_CHECKING:
+    from areal.tracking import Tracker
 
 log = structlog.get_logger()
 
@@ -87,8 +91,16 @@ class TrainerOptions:
 
 
 class TrainerService:
-    def __init__(self, bus: Bus, engine: TrainEngine, opts: TrainerOptions, out_dir: Path) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        engine: TrainEngine,
+        opts: TrainerOptions,
+        out_dir: Path,
+        tracker: Tracker | None = None,
+    ) -> None:
         self.bus, self.engine, self.opts, self.out_dir = bus, engine, opts, Path(out_dir)
+        self.tracker = tracker  # experiment trackers: handed each record, never waited for
         self.intake: Intake[Lease] = Intake(opts.intake)
         self.storage = StorageGuard(bus.event, give_up_s=opts.storage_pause_max_s)
         self.checkpoints = Checkpointer(
@@ -258,7 +270,10 @@ class TrainerService:
             stats=stats,
         )
         await self.storage.write_sync("metrics", self.metrics.path, self.metrics.append, rec)
-        await self.bus.metric("step", rec.model_dump(exclude_none=True))
+        values = rec.model_dump(exclude_none=True)
+        if self.tracker is not None:
+            self.tracker.log_step(values)
+        await self.bus.metric("step", values)
         await self._report_overdue()
         last = rec.step >= o.total_steps
         if rec.step % o.checkpoint_every == 0 or last or self.intake.retired_unwritten:
@@ -408,6 +423,8 @@ class TrainerService:
         if self.evals is None or "round" not in rec.values:
             return
         if await self.storage.write_sync("eval", self.evals.path, self.evals.add, rec.values):
+            if self.tracker is not None:
+                self.tracker.log_eval(rec.values)
             log.info(
                 "eval_recorded",
                 **{k: rec.values.get(k) for k in ("round", "version", "eval_reward")},
@@ -415,6 +432,8 @@ class TrainerService:
 
     async def run(self, stop: asyncio.Event) -> RunSummary | None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.tracker is not None:
+            self.tracker.start()  # its threads open the trackers while the trainer restores
         await self.restore()
         self.evals = await self.storage.write_sync(
             "eval", self.out_dir / "eval.jsonl", EvalLog, self.out_dir / "eval.jsonl"
@@ -463,3 +482,5 @@ class TrainerService:
             with contextlib.suppress(asyncio.CancelledError):
                 await consumer
             await self.storage.drain(timeout_s=5.0)  # a storage_recovered just before the end
+            if self.tracker is not None:  # bounded: tracking.close_timeout_s
+                await asyncio.to_thread(self.tracker.close)
