@@ -1,5 +1,5 @@
-"""`areal`: run | worker | prepare | declare | tap | top | plot | metrics-exporter | schema |
-model import | nats-config.
+"""`areal`: run | worker | eval | prepare | declare | tap | top | plot | metrics-exporter |
+schema | model import | nats-config.
 
 Heavy imports (torch, transformers) happen inside the subcommands so `--help` and config
 errors come back at once.
@@ -385,6 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"run one replica of a role against a NATS server ({' | '.join(WORKER_ROLES)})",
         add_help=False,
     )
+
+    from areal.launch.evaluate import add_eval_command  # standard library imports only
+
+    add_eval_command(sub)
 
     s = sub.add_parser("schema", help="print the JSON Schema of every wire message")
     s.set_defaults(fn=cmd_schema)

@@ -285,14 +285,27 @@ class DataSettings(_Part):
         "synthetic:arithmetic",
         description="synthetic:arithmetic | synthetic:running_sum | synthetic:tool_arithmetic | "
         "reasoning_gym:<generator> | champ[:file.json] | humaneval[:file.jsonl] | path to "
-        ".jsonl / .parquet",
+        ".jsonl / .parquet | hf:<save_to_disk folder, folder or glob of .parquet/.arrow "
+        "shards, or a hub dataset name in the local cache (never downloaded)>",
     )
     prompt_field: str = Field(
         "prompt",
-        description="prompt field of JSONL/Parquet records (GSM8K: question, DeepScaleR: problem)",
+        description="prompt field of JSONL/Parquet/hf: records (GSM8K: question, DeepScaleR: "
+        "problem)",
     )
     answer_field: str = Field(
-        "answer", description="answer field of JSONL/Parquet records (code: tests)"
+        "answer", description="answer field of JSONL/Parquet/hf: records (code: tests)"
+    )
+    split: str = Field(
+        "train", min_length=1, description="hf: sources: the split data.source reads"
+    )
+    eval_split: str = Field(
+        "test", min_length=1, description="hf: sources: the split data.eval_source reads"
+    )
+    subset: str | None = Field(
+        None,
+        description="hf: hub datasets with several subsets (configurations): the one to read, "
+        "e.g. main for openai/gsm8k; None = the only or default one",
     )
     task_kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -453,6 +466,13 @@ class EvalSettings(_Part):
     temperature: float = Field(0.0, ge=0, description="eval sampling temperature (0 = greedy)")
     max_new_tokens: int | None = Field(
         None, ge=1, le=32768, description="eval generation cap; None = rollout.max_new_tokens"
+    )
+    final_wait_s: float = Field(
+        300.0,
+        ge=0,
+        description="when the final policy version is a multiple of every_versions (e.g. "
+        "train.total_steps is), the trainer waits up to this long (s) at the end for the round "
+        "on the final weights, so eval.jsonl ends with the final model; 0 = end without it",
     )
 
 
@@ -749,6 +769,13 @@ class RunSettings(BaseSettings):
             problem = spec is not None and source_error(spec)
             if problem:
                 raise ValueError(f"data.{name}: {problem}")
+        d = self.data
+        if d.source.startswith("hf:") and d.eval_source == d.source and d.eval_split == d.split:
+            raise ValueError(
+                f"data.eval_source reads split {d.split!r} of {d.source}, which data.source "
+                "trains on: set data.eval_split to another split (e.g. test), or drop "
+                "data.eval_source and hold out data.eval_size items"
+            )
         if self.eval.every_versions and not (self.data.eval_size or self.data.eval_source):
             raise ValueError(
                 f"eval.every_versions={self.eval.every_versions} but the run has no held-out "

@@ -110,6 +110,7 @@ class TrainerView(_View):
     mask_overlong: bool  # rollout.overlong == "mask": cut samples are kept out of the loss
     sample_limits: dict[str, int]  # what a sample may hold (`RolloutSettings.sample_limits`)
     reward_range: tuple[float, float]  # what a published reward may be
+    eval: EvalSettings  # the round on the final weights the run's end waits for
     tracking: TrackingSettings
     run_config: dict[str, Any]  # the resolved settings, for the trackers (logged once)
 
@@ -120,6 +121,7 @@ class TrainerView(_View):
             run_config=s.model_dump(mode="json"),
             sample_limits=s.rollout.sample_limits(),
             reward_range=s.reward_range(),
+            eval=s.eval,
             seed=s.seed,
             out_dir=s.out_dir,
             model=s.model,

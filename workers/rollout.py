@@ -63,7 +63,7 @@ def prepare(settings: RunSettings, worker_id: str) -> RolloutParts:
         return tok.decode([t for t in ids if t not in stop_ids], skip_special_tokens=True)
 
     return RolloutParts(
-        view, engine, params, decode_text, _eval_plan(view, tok, params), _workflow(r, tok, params)
+        view, engine, params, decode_text, eval_plan(view, tok, params), _workflow(r, tok, params)
     )
 
 
@@ -85,17 +85,18 @@ def _workflow(r: Any, tok: Any, params: Any) -> Any:
     return make_workflow(r.workflow, ctx, dict(r.workflow_kwargs))
 
 
-def _eval_plan(view: RolloutView, tok: Any, params: Any) -> Any:
-    """The held-out set rendered as the controller renders tasks, or None without eval."""
+def eval_plan(view: RolloutView, tok: Any, params: Any) -> Any:
+    """The held-out set rendered as the controller renders tasks, or None without eval (also
+    what `areal eval` scores a model dir with: `areal.launch.evaluate`)."""
     if view.eval.every_versions == 0:
         return None
     from dataclasses import replace
 
     from areal.data.prompts import PromptBuilder
-    from areal.data.sources import make_sources
+    from areal.data.sources import held_out_source
     from areal.services.evaluation import EvalItem, EvalPlan
 
-    _, held_out = make_sources(view.data, view.seed)
+    held_out = held_out_source(view.data, view.seed)
     if held_out is None:
         raise ValueError(
             "eval.every_versions is set but the run has no held-out set: set data.eval_size "

@@ -120,6 +120,8 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService | RankZeroService:
         weights_dir=v.weights_dir,
         overlap_publish_max_bytes=int(v.weights.overlap_max_mib * 2**20),
         mask_overlong=v.mask_overlong,
+        eval_every_versions=v.eval.every_versions,
+        final_eval_wait_s=v.eval.final_wait_s,
         bounds=Bounds.with_model(
             parts.engine,
             run_id=bus.names.run_id,

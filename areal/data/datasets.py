@@ -31,7 +31,10 @@ def _field(record: dict[str, Any], name: str, where: str) -> str:
     return value if isinstance(value, str) else str(value)
 
 
-def _item(record: Any, prompt_field: str, answer_field: str, where: str, extra: dict[str, Any]):
+def record_of(
+    record: Any, prompt_field: str, answer_field: str, where: str, extra: dict[str, Any]
+) -> Record:
+    """One validated record: its prompt and answer fields, every other field as metadata."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     prompt = _field(record, prompt_field, where)
@@ -56,7 +59,7 @@ def read_jsonl_records(path: str | Path, prompt_field: str, answer_field: str) -
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
             extra = {"source": str(path), "line": line_no}
-            items.append(_item(record, prompt_field, answer_field, where, extra))
+            items.append(record_of(record, prompt_field, answer_field, where, extra))
     if not items:
         raise ValueError(f"dataset file {path} has no records")
     return items
@@ -84,7 +87,7 @@ def read_parquet_records(path: str | Path, prompt_field: str, answer_field: str)
     for row, record in enumerate(table.to_pylist()):
         where = f"{path}: row {row}"
         items.append(
-            _item(record, prompt_field, answer_field, where, {"source": str(path), "row": row})
+            record_of(record, prompt_field, answer_field, where, {"source": str(path), "row": row})
         )
     if not items:
         raise ValueError(f"dataset file {path} has no records")

@@ -11,7 +11,10 @@ Sources (`data.source`):
   prompt is the function's signature and docstring, the answer the `code` reward's preamble +
   tests (`areal.rewards.code.humaneval_answer`);
 - a `.jsonl` / `.parquet` file, its fields named by `data.prompt_field` / `data.answer_field`
-  (GSM8K: `question` / `answer`, DeepScaleR: `problem` / `answer`, code: `prompt` / `tests`).
+  (GSM8K: `question` / `answer`, DeepScaleR: `problem` / `answer`, code: `prompt` / `tests`);
+- `hf:<where>`: a Hugging Face dataset on this host's disk (a `save_to_disk` folder, Parquet /
+  Arrow shards, or a hub name in the local cache; never downloaded), split `data.split`
+  (`data.eval_split` as the eval source), fields mapped as for JSONL (`areal.data.hf`).
 
 Invariants:
 - `get(i)` of every source is a pure function of (settings, seed, i): the controller, every
@@ -50,6 +53,7 @@ __all__ = [
     "ListTaskSource",
     "ReasoningGymSource",
     "is_finite",
+    "held_out_source",
     "make_sources",
     "make_source",
     "source_error",
@@ -191,9 +195,20 @@ def _file_records(path: str, prompt_field: str, answer_field: str) -> list[Recor
     return read_parquet_records(path, prompt_field, answer_field)
 
 
-def _records(spec: str, data: DataSettings) -> list[Record] | None:
-    """The records of a finite source, or None for a procedural one."""
+def _records(spec: str, data: DataSettings, split: str | None = None) -> list[Record] | None:
+    """The records of a finite source, or None for a procedural one (`split`: of an `hf:`
+    source; None = `data.split`)."""
     kind, _, arg = spec.partition(":")
+    if kind == "hf":
+        from areal.data.hf import hf_records
+
+        return hf_records(
+            arg,
+            split=split or data.split,
+            subset=data.subset,
+            prompt_field=data.prompt_field,
+            answer_field=data.answer_field,
+        )
     if kind == "champ":
         return _champ_records(arg or None)
     if kind == "humaneval":
@@ -221,6 +236,10 @@ def source_error(spec: str) -> str | None:
         return f"unknown synthetic task {spec!r}; choose one of {sorted(SYNTHETIC_TASKS)}"
     if kind == "reasoning_gym":
         return None if arg else "reasoning_gym:<generator> names no generator (e.g. gsm_symbolic)"
+    if kind == "hf":
+        from areal.data.hf import hf_spec_error
+
+        return hf_spec_error(arg)
     if kind in ("champ", "humaneval"):
         if not sep or not arg or Path(arg).is_file():
             return None
@@ -230,21 +249,24 @@ def source_error(spec: str) -> str | None:
     if Path(spec).suffix or "/" in spec:
         return (
             f"data source {spec!r}: expected a .jsonl or .parquet file (or synthetic:<task>, "
-            "reasoning_gym:<generator>, champ, humaneval); convert the data or rename the file"
+            "reasoning_gym:<generator>, champ, humaneval, hf:<dataset>); convert the data or "
+            "rename the file"
         )
     return (
         f"data source {spec!r} is none of: synthetic:<task>, reasoning_gym:<generator>, "
-        "champ[:file.json], humaneval[:file.jsonl], or a .jsonl / .parquet file"
+        "champ[:file.json], humaneval[:file.jsonl], hf:<dataset folder or cached hub name>, "
+        "or a .jsonl / .parquet file"
     )
 
 
 def source_file(spec: str) -> Path | None:
     """The local file `spec` reads (a .jsonl / .parquet path, or the file of `champ:<file>` /
-    `humaneval:<file>`), or None for a procedural source or a packaged data set."""
+    `humaneval:<file>`), or None for a procedural source, a packaged data set or an `hf:`
+    dataset (a folder or cache entry: a worker on another host needs its own copy)."""
     kind, sep, arg = spec.partition(":")
     if kind in ("champ", "humaneval"):
         return Path(arg) if sep and arg else None
-    if spec.startswith(("synthetic:", "reasoning_gym:")):
+    if spec.startswith(("synthetic:", "reasoning_gym:", "hf:")):
         return None
     return Path(spec)
 
@@ -257,15 +279,20 @@ def with_file(spec: str, path: Path | str) -> str:
 
 def is_finite(spec: str) -> bool:
     kind = spec.partition(":")[0]
-    return kind in ("champ", "humaneval") or Path(spec).suffix.lower() in FILE_SUFFIXES
+    return kind in ("champ", "humaneval", "hf") or Path(spec).suffix.lower() in FILE_SUFFIXES
 
 
 def make_source(
-    spec: str, data: DataSettings, seed: int, *, shuffle: bool | None = None
+    spec: str,
+    data: DataSettings,
+    seed: int,
+    *,
+    shuffle: bool | None = None,
+    split: str | None = None,
 ) -> TaskSource:
     """One whole source (no split), as `data` configures it (`shuffle` overrides
-    `data.shuffle` for a finite source)."""
-    records = _records(spec, data)
+    `data.shuffle` for a finite source, `split` `data.split` for an `hf:` one)."""
+    records = _records(spec, data, split)
     if records is not None:
         shuffle = data.shuffle if shuffle is None else shuffle
         return ListTaskSource(spec, records, shuffle=shuffle, seed=seed)
@@ -337,18 +364,33 @@ def _split_finite(
     )
 
 
+def _eval_source_slice(data: DataSettings, seed: int) -> TaskSource:
+    """The held-out set that `data.eval_source` names: its first `eval_size` items, in file
+    order (all of a finite source when `eval_size` is 0)."""
+    assert data.eval_source is not None
+    held_base = make_source(data.eval_source, data, seed, shuffle=False, split=data.eval_split)
+    n = data.eval_size or (len(held_base) if is_finite(data.eval_source) else 0)
+    if n == 0:
+        raise ValueError(
+            f"data.eval_source {data.eval_source!r} is procedural: set data.eval_size to "
+            "the number of held-out items to draw from it"
+        )
+    return _Slice(held_base, min(n, len(held_base)))
+
+
+def held_out_source(data: DataSettings, seed: int) -> TaskSource | None:
+    """The held-out set of `make_sources(data, seed)`, item for item, without building the
+    training side where it is not needed (an `eval_source` run; `areal eval`)."""
+    if data.eval_source is not None:
+        return _eval_source_slice(data, seed)
+    return make_sources(data, seed)[1]
+
+
 def make_sources(data: DataSettings, seed: int) -> tuple[TaskSource, TaskSource | None]:
     """(training source, held-out set or None) for the run's `data` settings (module
     invariants)."""
     if data.eval_source is not None:
-        held_base = make_source(data.eval_source, data, seed, shuffle=False)  # file order
-        n = data.eval_size or (len(held_base) if is_finite(data.eval_source) else 0)
-        if n == 0:
-            raise ValueError(
-                f"data.eval_source {data.eval_source!r} is procedural: set data.eval_size to "
-                "the number of held-out items to draw from it"
-            )
-        return make_source(data.source, data, seed), _Slice(held_base, min(n, len(held_base)))
+        return make_source(data.source, data, seed), _eval_source_slice(data, seed)
     records = _records(data.source, data)
     if records is not None:
         return _split_finite(data.source, records, data, seed)

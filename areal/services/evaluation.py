@@ -7,7 +7,10 @@ requests meanwhile), generates one completion per held-out item with the eval sa
 parameters on the weights it holds (no weight switch during a round), scores them in its own
 scoring process with the run's reward function and per-sample timeout, and publishes one
 `eval` metric. Training goes on meanwhile on the samples already produced; the trainer appends
-each round to `eval.jsonl` in the run dir.
+each round to `eval.jsonl` in the run dir. An idle worker loads fetched weights whose round is
+due (the run's final version is published when nothing is left to generate), and the trainer
+waits for the round on the final weights (`eval.final_wait_s`) before the run ends. `areal eval`
+(`areal.launch.evaluate`) runs one round of this code on a model dir.
 
 Invariants:
 - Each round is published at most once per run (the KV claim), with the version whose weights

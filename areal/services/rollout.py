@@ -271,6 +271,17 @@ class RolloutService:
     def _eval_due(self) -> int | None:
         return self.evaluator.due(self.engine.version) if self.evaluator is not None else None
 
+    async def _load_for_eval(self, stop: asyncio.Event) -> bool:
+        """Idle: load fetched weights whose evaluation round is due. The run's final version is
+        published when no task is left to generate with it, so only this evaluates it."""
+        if self.evaluator is None:
+            return False
+        with self._lock:
+            pending = self.sched.pending[0] if self.sched.pending is not None else None
+        if pending is None or self.evaluator.due(pending) is None:
+            return False
+        return await self.weights.load_between_batches(stop)
+
     async def _run_eval(self, rnd: int) -> None:
         ev = self.evaluator
         assert ev is not None
@@ -308,6 +319,8 @@ class RolloutService:
             with self._lock:
                 idle, needed = not self.sched.queue, self.sched.needed_version()
             idle = idle and not self.host.has_turns()
+            if idle and await self._load_for_eval(stop):
+                continue  # a round is due on the weights just loaded
             if idle:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._queue_changed.wait(), 0.5)

@@ -84,6 +84,10 @@ class TrainerOptions:
     wire_dtype: str = "auto"  # floating weights on the wire (`weights.wire_dtype`; auto: as held)
     weights_dir: str | None = None  # None: object store; else a shared dir (file:// URIs)
     mask_overlong: bool = False  # samples cut at max_new_tokens get advantage 0 (no gradient)
+    # eval rounds at every K-th version (0: none); at the end the trainer waits this long for
+    # the round on the final weights when K divides the final version
+    eval_every_versions: int = 0
+    final_eval_wait_s: float = 0.0
     bounds: Bounds | None = None  # what a scored sample must fit; None: identity + finiteness
     # weights up to this many bytes on the wire are published from a host copy while the next
     # step trains; larger ones stream out in line (no copy). 0: always in line
@@ -108,6 +112,7 @@ class TrainerService:
         )
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl")
         self.evals: EvalLog | None = None  # opened in run(), once out_dir exists
+        self._eval_landed = asyncio.Event()  # set at every round written to eval.jsonl
         self.meter = BusyMeter()
         self.t_start = time.time()
         self._data = asyncio.Event()
@@ -399,8 +404,9 @@ class TrainerService:
             "overdue_tasks": len(self.intake.overdue(self.overdue_horizon)),
         }
 
-    async def _finish(self) -> RunSummary:
+    async def _finish(self, stop: asyncio.Event | None = None) -> RunSummary:
         await self.publish_settled()
+        await self._await_final_eval(stop)
         final = self.out_dir / "final"
         await self.storage.write_sync(
             "final_model",
@@ -418,11 +424,34 @@ class TrainerService:
         log.info("run_finished", **summary.model_dump())
         return summary
 
+    async def _await_final_eval(self, stop: asyncio.Event | None) -> None:
+        """With eval rounds at every K-th version and K dividing the final version, a rollout
+        worker evaluates the final weights once it is idle: wait (up to `final_eval_wait_s`, or
+        a stop) for that round to land in eval.jsonl, so the run's last evaluation is of the
+        model it leaves in `final/`."""
+        k, version = self.opts.eval_every_versions, self.engine.version
+        wait_s = self.opts.final_eval_wait_s
+        if not k or version % k or wait_s <= 0 or self.evals is None:
+            return
+        if version not in self.evals.rounds:
+            log.info("final_eval_waiting", round=version, timeout_s=wait_s)
+        deadline = time.monotonic() + wait_s
+        while version not in self.evals.rounds and not (stop is not None and stop.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("final_eval_missing", round=version, waited_s=wait_s)
+                return
+            self._eval_landed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._eval_landed.wait(), min(left, 1.0))
+
     async def _on_eval(self, rec: MetricRecord) -> None:
         """A rollout worker's evaluation round: into `eval.jsonl` (once per round)."""
         if self.evals is None or "round" not in rec.values:
             return
-        if await self.storage.write_sync("eval", self.evals.path, self.evals.add, rec.values):
+        landed = await self.storage.write_sync("eval", self.evals.path, self.evals.add, rec.values)
+        self._eval_landed.set()
+        if landed:
             if self.tracker is not None:
                 self.tracker.log_eval(rec.values)
             log.info(
@@ -463,7 +492,7 @@ class TrainerService:
                     break
                 await self.step(batch, time.perf_counter() - t_wait)
             if self.intake.state.step >= self.opts.total_steps:
-                return await self._finish()
+                return await self._finish(stop)
             # a stop mid-run (Ctrl-C, SIGTERM) keeps what was trained since the last periodic
             # checkpoint (`checkpoint_every`): a resume goes on from here, redoing nothing
             await self.checkpoints.flush()
