@@ -8,8 +8,6 @@ settings.
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict
 
 from areal.config import (
@@ -21,7 +19,6 @@ from areal.config import (
     RewardSettings,
     RolloutSettings,
     RunSettings,
-    TrackingSettings,
     TrainSettings,
     WeightsSettings,
 )
@@ -111,14 +108,10 @@ class TrainerView(_View):
     sample_limits: dict[str, int]  # what a sample may hold (`RolloutSettings.sample_limits`)
     reward_range: tuple[float, float]  # what a published reward may be
     eval: EvalSettings  # the round on the final weights the run's end waits for
-    tracking: TrackingSettings
-    run_config: dict[str, Any]  # the resolved settings, for the trackers (logged once)
 
     @classmethod
     def of(cls, s: RunSettings) -> TrainerView:
         return cls(
-            tracking=s.tracking,
-            run_config=s.model_dump(mode="json"),
             sample_limits=s.rollout.sample_limits(),
             reward_range=s.reward_range(),
             eval=s.eval,

@@ -25,6 +25,7 @@ class TrainerParts:
     view: TrainerView
     engine: Any  # areal.engines.base.TrainEngine (a RankZeroEngine on a group's rank 0)
     grouped: bool = False  # rank 0 of a group of trainer ranks (`areal.launch.ranks`)
+    tracker: Any = None  # areal.tracking.Tracker (`tracking`), started by prepare; None: none
 
 
 def make_engine(settings: RunSettings) -> Any:
@@ -70,18 +71,26 @@ def make_engine(settings: RunSettings) -> Any:
 
 def prepare(settings: RunSettings, worker_id: str) -> TrainerParts:
     """Rank 0 (the only rank that gets here): join the rank group first, when there is one,
-    then build the engine (`areal.launch.ranks`)."""
-    from areal.launch.ranks import join_rank_group, lead_rank_group
+    then build the engine (`areal.launch.ranks`). The experiment trackers start first, on
+    threads of their own: their imports and connections overlap the model's load, not the
+    first training steps."""
+    from pathlib import Path
 
+    from areal.launch.ranks import join_rank_group, lead_rank_group
+    from areal.tracking import tracker_for
+
+    tracker = tracker_for(
+        settings.tracking, out_dir=Path(settings.out_dir), config=settings.model_dump(mode="json")
+    )
+    if tracker is not None:
+        tracker.start()
     world_size = join_rank_group(settings)
     engine = lead_rank_group(make_engine(settings), settings, world_size)
     if settings.train.record_batches:
-        from pathlib import Path
-
         from areal.engines.record import BatchRecorder
 
         engine = BatchRecorder(engine, Path(settings.out_dir) / "batches")
-    return TrainerParts(TrainerView.of(settings), engine, grouped=world_size > 1)
+    return TrainerParts(TrainerView.of(settings), engine, grouped=world_size > 1, tracker=tracker)
 
 
 def follow(settings: RunSettings, worker_id: str) -> int:
@@ -97,7 +106,6 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService | RankZeroService:
     from areal.core.intake import IntakePolicy
     from areal.core.validate import Bounds
     from areal.services.trainer import TrainerOptions, TrainerService
-    from areal.tracking import tracker_for
 
     v = parts.view
     a, t = v.algo, v.train
@@ -130,8 +138,7 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService | RankZeroService:
             reward_range=v.reward_range,
         ),
     )
-    tracker = tracker_for(v.tracking, out_dir=Path(v.out_dir), config=v.run_config)
-    service = TrainerService(bus, parts.engine, opts, Path(v.out_dir), tracker)
+    service = TrainerService(bus, parts.engine, opts, Path(v.out_dir), parts.tracker)
     if parts.grouped:
         from areal.launch.ranks import RankZeroService
 

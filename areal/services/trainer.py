@@ -462,7 +462,7 @@ class TrainerService:
     async def run(self, stop: asyncio.Event) -> RunSummary | None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if self.tracker is not None:
-            self.tracker.start()  # its threads open the trackers while the trainer restores
+            self.tracker.start()  # (a worker starts it sooner, in prepare: a no-op then)
         await self.restore()
         self.evals = await self.storage.write_sync(
             "eval", self.out_dir / "eval.jsonl", EvalLog, self.out_dir / "eval.jsonl"
