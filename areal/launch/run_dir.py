@@ -26,6 +26,7 @@ RUN_ARTIFACTS = (
     "config.json",
     "metrics.jsonl",
     "metrics.jsonl.tmp",
+    "eval.jsonl",  # the held-out rounds: a rerun over --overwrite must not skip the old rounds
     "summary.json",
     "summary.json.tmp",
     "checkpoint",

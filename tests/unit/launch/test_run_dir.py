@@ -60,6 +60,7 @@ def test_unrelated_files_alone_also_make_out_non_empty(tmp_path):
 def test_overwrite_deletes_run_artifacts_only(tmp_path):
     _old_run(tmp_path, step=3, finished=True)
     (tmp_path / "weights").mkdir()
+    (tmp_path / "eval.jsonl").write_text('{"round": 0}\n')  # else a rerun skips its rounds
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "analysis").mkdir()
     (tmp_path / "analysis" / "plot.png").write_bytes(b"png")
@@ -70,6 +71,7 @@ def test_overwrite_deletes_run_artifacts_only(tmp_path):
         "logs",
         "config.json",
         "metrics.jsonl",
+        "eval.jsonl",
         "summary.json",
         "weights",
     }
