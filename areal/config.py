@@ -270,6 +270,14 @@ class ModelSettings(_Part):
         "(0.1 for arithmetic, 0 otherwise). Smoothing leaves the model right when decoding "
         "greedily but unsure when sampling hot: the regime where RL sharpens it fast",
     )
+    warm_start_source: str | None = Field(
+        None,
+        description="data the tiny preset's warm start trains on (a synthetic:<task> or a "
+        ".jsonl / .parquet file with data.prompt_field / data.answer_field and, optionally, "
+        "a `target` completion per record); None = data.source. Give it problems of the same "
+        "kind as data.source but not its own: warm-started on the very items RL then trains "
+        "on, the model starts near its final reward and shows no learning",
+    )
     warm_start_lock_timeout_s: float = Field(
         900.0,
         gt=0,
@@ -769,6 +777,9 @@ class RunSettings(BaseSettings):
             problem = spec is not None and source_error(spec)
             if problem:
                 raise ValueError(f"data.{name}: {problem}")
+        warm = self.model.warm_start_source
+        if warm is not None and self.model.path is None and (problem := source_error(warm)):
+            raise ValueError(f"model.warm_start_source: {problem}")
         d = self.data
         if d.source.startswith("hf:") and d.eval_source == d.source and d.eval_split == d.split:
             raise ValueError(

@@ -121,12 +121,14 @@ def resolve_model_path(settings: RunSettings) -> str:
     from areal.data.warm_start import ensure_warm_model
 
     d = settings.data
-    task_kwargs = dict(d.task_kwargs)
-    if not d.source.startswith("synthetic:"):  # the file's field names, as the controller reads it
+    source = settings.model.warm_start_source or d.source
+    # a synthetic warm start takes the task's options only when it is the run's own task
+    task_kwargs = dict(d.task_kwargs) if source == d.source else {}
+    if not source.startswith("synthetic:"):  # the file's field names, as the controller reads it
         task_kwargs.update(prompt_field=d.prompt_field, answer_field=d.answer_field)
     return str(
         ensure_warm_model(
-            d.source,
+            source,
             sft_steps=settings.model.warm_start_steps,
             label_smoothing=settings.model.warm_start_label_smoothing,
             seed=settings.seed,
