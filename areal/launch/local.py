@@ -73,11 +73,18 @@ from areal.config import ConfigError, RunSettings
 from areal.core.watchdog import WatchdogPolicy
 from areal.launch import run_dir
 from areal.launch.declare import declare_run_now, probe_server
+from areal.launch.exit_codes import (
+    EXIT_BUS_UNAVAILABLE,
+    EXIT_CONFIG,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FINISHED,
+    EXIT_TERMINATED,
+)
 from areal.launch.join import public_url_of, share_run
 from areal.launch.preflight import check_run
 from areal.launch.store_watch import StoreWatch
 from areal.launch.watchdog import LauncherWatchdog
-from areal.launch.worker import EXIT_BUS_UNAVAILABLE, EXIT_CONFIG, resolve_model_path
+from areal.launch.worker import resolve_model_path
 from areal.proc import child_setup, format_cpu_list
 from areal.security.keys import KeysError, ensure_run_keys, keys_dir_of
 
@@ -92,10 +99,6 @@ CAUSE_LINES, CAUSE_CHARS = 200, 300  # where the restart warning looks for the c
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Lost|Held)\b")
 MAX_OUTAGE_RESTARTS = 20  # restarts after outages (not counted in max_restarts), per worker
 TRAINER = "trainer-0"  # the trainer's worker id (rank 0 of its group when train.nproc > 1)
-# the launcher's exit codes besides 0 (the run finished), EXIT_CONFIG (2) and a failed worker's
-EXIT_NOT_FINISHED = 1  # the trainer exited 0 before train.total_steps: stopped from outside
-EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: Ctrl-C stopped the run
-EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: SIGTERM stopped the run
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

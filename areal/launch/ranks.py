@@ -28,12 +28,11 @@ from typing import Any
 import structlog
 
 from areal.config import ConfigError, RunSettings
+from areal.launch.exit_codes import EXIT_CONFIG, EXIT_RANK_FAILED
 
 log = structlog.get_logger()
 
 __all__ = ["RankZeroService", "env_rank", "follow_main", "join_rank_group", "lead_rank_group"]
-
-EXIT_RANK_FAILED = 1
 
 
 def env_rank() -> int:
@@ -121,8 +120,6 @@ def follow_main(
 ) -> int:
     """A follower rank's whole life: join, build the engine, follow rank 0, exit with its
     status. A failure exits at once (`os._exit`: a broken gloo group may abort at exit)."""
-    from areal.launch.worker import EXIT_CONFIG
-
     rank = env_rank()
     try:
         join_rank_group(settings)

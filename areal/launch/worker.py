@@ -59,6 +59,7 @@ from areal.bus.nats_config import SELF_DECLARERS
 from areal.bus.role_lock import RoleLock, RoleLockHeld, RoleLockLost
 from areal.bus.streams import StorageLimitError
 from areal.config import ConfigError, RunSettings, load_settings, new_worker_id
+from areal.launch.exit_codes import EXIT_BUS_UNAVAILABLE, EXIT_CONFIG
 from areal.launch.preflight import check_role
 from areal.logging import setup_logging
 from areal.security.keys import RunKeys, keys_for_worker
@@ -71,8 +72,6 @@ P = TypeVar("P")
 Role = Literal["controller", "rollout", "reward", "trainer"]
 PREPARE_REPORT_S = 30.0
 STOPPED_EVENT_WAIT_S = 2.0  # the most a stop waits to say so on the bus
-EXIT_CONFIG = 2  # a deterministic failure: do not restart
-EXIT_BUS_UNAVAILABLE = 3  # the NATS server stayed away past nats.outage_tolerance_s
 SINGLE_ROLES = ("controller", "trainer")  # one per run: they hold a RoleLock while serving
 
 

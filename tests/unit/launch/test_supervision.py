@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from areal.launch.exit_codes import EXIT_BUS_UNAVAILABLE, EXIT_CONFIG
 from areal.launch.local import EXIT_NOT_FINISHED, MAX_OUTAGE_RESTARTS, on_worker_exit
-from areal.launch.worker import EXIT_BUS_UNAVAILABLE, EXIT_CONFIG
 
 
 @pytest.mark.parametrize(

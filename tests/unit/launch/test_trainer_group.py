@@ -10,8 +10,8 @@ import time
 import pytest
 
 from areal.config import ConfigError, load_settings
+from areal.launch.exit_codes import EXIT_CONFIG
 from areal.launch.local import TRAINER, Launcher
-from areal.launch.worker import EXIT_CONFIG
 
 
 def _launcher(tmp_path, monkeypatch) -> tuple[Launcher, list[str]]:

@@ -10,8 +10,8 @@ import pytest
 
 from areal.bus.embedded import free_port
 from areal.config import load_settings
+from areal.launch.exit_codes import EXIT_CONFIG
 from areal.launch.local import EXIT_NOT_FINISHED, Launcher
-from areal.launch.worker import EXIT_CONFIG
 
 
 def _dead_url() -> str:

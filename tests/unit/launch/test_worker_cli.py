@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from areal.cli import WORKER_ROLES, main
-from areal.launch.worker import EXIT_CONFIG
+from areal.launch.exit_codes import EXIT_CONFIG
 
 ROOT = Path(__file__).resolve().parents[3]
 
