@@ -1,6 +1,6 @@
 """Property test: the production cores keep the run's invariants under random schedules and faults.
 
-Drives `areal.core.sim.Sim` (whose controller, rollout workers and trainer are `Admission`,
+Drives `tests.sim.Sim` (whose controller, rollout workers and trainer are `Admission`,
 `Scheduler` and `Intake`) through random schedules with crashes of every actor, duplicate
 deliveries, redeliveries of tasks still being generated, lost acks, engine failures and poison
 messages naming admitted tasks (also while their group is being trained), checking
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from areal.core.admission import Admission
 from areal.core.intake import Filed, Intake, IntakePolicy, Retired
 from areal.core.scheduling import Joined, Scheduler
-from areal.core.sim import Faults, Sim, SimConfig, SimLease, task_id
 from schemas.state import TrainerState
+from tests.sim import Faults, Sim, SimConfig, SimLease, task_id
 
 TOTAL_STEPS = 4
 SETTLE_EVENTS = 20_000  # liveness bound once faults stop (runs here settle in a few hundred)

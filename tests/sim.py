@@ -26,7 +26,7 @@ batch to train, as the trainer service does. `SimConfig.durable_slots=False` mod
 protocol (slots back at once): it over-admits after a trainer restart, because the checkpoint
 restores a lower `returned` than the controller already admitted against
 (`strict_over_admission`), and a task admitted on the lost slot can still be in flight when the
-run ends. The streams are modelled in `areal.core.sim_streams`.
+run ends. The streams are modelled in `tests.sim_streams`.
 
 Ground truth kept here (see `violations()`): task messages ever published, the trainer's lineage
 of task ends (in memory since the last written checkpoint, and durable), token versions. Checks:
@@ -53,10 +53,10 @@ from areal.algo.staleness import admission_capacity, sample_staleness
 from areal.core.admission import Admission, AdmissionPolicy
 from areal.core.intake import Filed, Intake, IntakePolicy, model_versions
 from areal.core.scheduling import Scheduler, SchedulerPolicy
-from areal.core.sim_streams import Msg, SimLease, Stream, expire
 from schemas import Sample, ScoredSample
 from schemas.arrays import PackedArray
 from schemas.state import CheckpointState, ControllerState, TrainerState
+from tests.sim_streams import Msg, SimLease, Stream, expire
 
 __all__ = ["Faults", "Sim", "SimConfig", "SimLease", "SimTask", "sim_reward"]
 
