@@ -264,10 +264,10 @@ def eval_model(
 
     from areal.config import load_settings
     from areal.data.evaluate import evaluate_accuracy
-    from areal.data.tasks import make_task_source
+    from areal.data.sources import make_source
 
     s = load_settings(config, overrides)
-    source = make_task_source(s.data.source, seed=s.seed, **s.data.task_kwargs)
+    source = make_source(s.data.source, s.data, s.seed, shuffle=False)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

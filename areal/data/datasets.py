@@ -1,13 +1,12 @@
-"""File task sources: local JSONL and Parquet files of {prompt, answer, ...} records.
+"""Records of local JSONL and Parquet files of {prompt, answer, ...} objects; a task source
+over them comes from the one factory, `areal.data.sources.make_source` (a `ListTaskSource`:
+wrap-around, seeded per-epoch shuffles).
 
 Invariants:
-- The whole file is read and validated at construction: a record without the prompt or answer
-  field (or with a null / non-scalar value) fails right there with the file, line (JSONL) or row
+- The whole file is read and validated at once: a record without the prompt or answer field
+  (or with a null / non-scalar value) fails right there with the file, line (JSONL) or row
   (Parquet, 0-based) and field name, never later in the middle of a run.
-- `get(index)` wraps around: epoch `index // len`, position `index % len`. Without shuffle,
-  `get(i) == get(i % len)`; with `shuffle=True` each epoch is a permutation of the records
-  drawn from (seed, epoch), so it is still a pure function of (file, seed, index).
-- `TaskItem.metadata` holds every other field of the record plus `source` and `line` / `row`.
+- A record's metadata holds every other field of the record plus `source` and `line` / `row`.
 - Non-string answers (e.g. JSON numbers) are converted with `str`.
 """
 
@@ -16,8 +15,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
-
-from areal.data.tasks import TaskItem
 
 Record = tuple[str, str, dict[str, Any]]  # prompt, answer, metadata
 
@@ -92,42 +89,3 @@ def read_parquet_records(path: str | Path, prompt_field: str, answer_field: str)
     if not items:
         raise ValueError(f"dataset file {path} has no records")
     return items
-
-
-class _FileSource:
-    """A file's records as a task source (`areal.data.sources.ListTaskSource` semantics)."""
-
-    read = staticmethod(read_jsonl_records)
-
-    def __init__(
-        self,
-        path: str | Path,
-        prompt_field: str = "prompt",
-        answer_field: str = "answer",
-        shuffle: bool = False,
-        seed: int = 0,
-    ):
-        from areal.data.sources import ListTaskSource
-
-        self.path = Path(path)
-        self.name = str(self.path)
-        records = type(self).read(self.path, prompt_field, answer_field)
-        self._src = ListTaskSource(self.name, records, shuffle=shuffle, seed=seed)
-
-    def __len__(self) -> int:
-        return len(self._src)
-
-    def get(self, index: int) -> TaskItem:
-        return self._src.get(index)
-
-
-class JsonlTaskSource(_FileSource):
-    """One JSON object per line; blank lines are skipped."""
-
-    read = staticmethod(read_jsonl_records)
-
-
-class ParquetTaskSource(_FileSource):
-    """A Parquet table with (at least) the prompt and answer columns. Needs pyarrow."""
-
-    read = staticmethod(read_parquet_records)

@@ -1,11 +1,13 @@
-"""Task sources: synthetic verifiable tasks and the `make_task_source` factory.
+"""Task sources: the `TaskSource` protocol and the synthetic verifiable tasks. Every source
+(these, files, reasoning-gym, CHAMP, HumanEval, hf:) comes from one factory,
+`areal.data.sources.make_source`.
 
 Invariants:
 - `get(index)` is a pure function of (source parameters, seed, index): any process, at any time,
   gets the same `TaskItem` for the same index, so a controller can persist a cursor and resume.
 - Synthetic sources never repeat state between calls (each index seeds its own RNG); their
   `__len__` is huge (`SYNTHETIC_LEN`) and `get` accepts any index in `[0, len)`.
-- File sources (`areal.data.datasets`) wrap around: `get(i) == get(i % len)` (epochs).
+- File sources (`areal.data.sources.ListTaskSource`) wrap around: `get(i) == get(i % len)` (epochs).
 - `TaskItem.answer` is what a reward function checks; `metadata["target"]`, when present, is the
   full expected completion (used by the supervised warm start).
 """
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 SYNTHETIC_LEN = 2**31 - 1
@@ -156,28 +157,3 @@ SYNTHETIC_TASKS: dict[
     RunningSumTask.name: RunningSumTask,
     ToolArithmeticTask.name: ToolArithmeticTask,
 }
-
-
-def make_task_source(spec: str, seed: int = 0, **kwargs: Any) -> TaskSource:
-    """`"synthetic:arithmetic"`, `"synthetic:running_sum"`, `"synthetic:tool_arithmetic"`
-    (kwargs go to the constructor), or a path to a `.jsonl` / `.parquet` file (kwargs go to
-    the loader, e.g. `prompt_field`, `answer_field`, `shuffle`; `seed` orders the epochs when
-    `shuffle=True`)."""
-    if spec in SYNTHETIC_TASKS:
-        return SYNTHETIC_TASKS[spec](seed=seed, **kwargs)
-    if spec.startswith("synthetic:"):
-        raise ValueError(
-            f"unknown synthetic task {spec!r}; choose one of {sorted(SYNTHETIC_TASKS)} "
-            "or give a path to a .jsonl / .parquet file"
-        )
-    from areal.data.datasets import JsonlTaskSource, ParquetTaskSource
-
-    suffix = Path(spec).suffix.lower()
-    if suffix == ".jsonl":
-        return JsonlTaskSource(spec, seed=seed, **kwargs)
-    if suffix in (".parquet", ".pq"):
-        return ParquetTaskSource(spec, seed=seed, **kwargs)
-    raise ValueError(
-        f"cannot make a task source from {spec!r}: expected {sorted(SYNTHETIC_TASKS)} "
-        "or a path ending in .jsonl or .parquet"
-    )

@@ -40,7 +40,7 @@ from typing import IO, TYPE_CHECKING, Any
 import structlog
 
 from areal.data.presets import TINY_PRESET, TinyPreset
-from areal.data.tasks import SYNTHETIC_TASKS, TaskSource, make_task_source
+from areal.data.tasks import SYNTHETIC_TASKS, TaskSource
 
 if TYPE_CHECKING:
     import torch
@@ -128,6 +128,22 @@ def warm_key(
         default=str,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+FIELD_KWARGS = ("prompt_field", "answer_field")  # a file's field names, among the task kwargs
+
+
+def warm_source(task_spec: str, seed: int, task_kwargs: dict[str, Any]) -> TaskSource:
+    """The source the warm start trains on, from the one factory (`sources.make_source`):
+    `task_kwargs` are a synthetic task's options, or a file's field names (`FIELD_KWARGS`); a
+    file is read in file order (no shuffle)."""
+    from areal.config import DataSettings
+    from areal.data.sources import make_source
+
+    fields = {k: v for k, v in task_kwargs.items() if k in FIELD_KWARGS}
+    options = {k: v for k, v in task_kwargs.items() if k not in FIELD_KWARGS}
+    data = DataSettings(source=task_spec, task_kwargs=options, **fields)
+    return make_source(task_spec, data, seed, shuffle=False)
 
 
 def _batch(source: TaskSource, tokenizer: Any, indices: list[int]) -> dict[str, torch.Tensor]:
@@ -322,7 +338,7 @@ def ensure_warm_model(
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 build_tiny_model(tmp, seed=seed, preset=preset)
-                source = make_task_source(task_spec, seed=seed, **task_kwargs)
+                source = warm_source(task_spec, seed, task_kwargs)
                 losses = train_sft(tmp, source, recipe, seed) if recipe.steps else []
             meta = {
                 "task_spec": task_spec,

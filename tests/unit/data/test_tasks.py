@@ -7,13 +7,14 @@ import json
 
 import pytest
 
+from areal.config import DataSettings
+from areal.data.sources import make_source
 from areal.data.tasks import (
     ArithmeticTask,
     RunningSumTask,
     TaskItem,
     TaskSource,
     ToolArithmeticTask,
-    make_task_source,
 )
 from areal.rewards.synthetic import arithmetic_reward, running_sum_reward, tool_arithmetic_reward
 from areal.tools.calc import calc
@@ -77,7 +78,7 @@ def test_tool_arithmetic_items_and_their_demonstration_are_what_the_tool_writes(
         assert item.metadata["target"] == call + result + item.answer
         # the sample's text as the rollout decodes it (the stop token dropped) earns the reward
         assert tool_arithmetic_reward(call[:-1] + result + item.answer, item.answer) == 1.0
-    assert make_task_source("synthetic:tool_arithmetic", seed=0, digits=1).get(0).prompt[1] == "*"
+    assert ToolArithmeticTask(seed=0, digits=1).get(0).prompt[1] == "*"
     with pytest.raises(ValueError):
         ToolArithmeticTask(digits=0)
 
@@ -111,21 +112,29 @@ def test_index_out_of_range():
         ArithmeticTask().get(-1)
 
 
-def test_make_task_source_synthetic_and_kwargs():
-    src = make_task_source("synthetic:arithmetic", seed=2, max_digits=1)
+def _source(spec: str, seed: int, **task_kwargs):
+    """`spec` from the one factory, as `data.source` with `data.task_kwargs`."""
+    return make_source(spec, DataSettings(source=spec, task_kwargs=task_kwargs), seed)
+
+
+def test_the_factory_makes_synthetic_tasks_with_their_options():
+    src = _source("synthetic:arithmetic", 2, max_digits=1)
     assert isinstance(src, TaskSource) and src.name == "synthetic:arithmetic"
     assert src.get(4) == ArithmeticTask(seed=2, max_digits=1).get(4)
-    assert isinstance(make_task_source("synthetic:running_sum", 0), RunningSumTask)
+    assert isinstance(_source("synthetic:running_sum", 0), RunningSumTask)
+    assert _source("synthetic:tool_arithmetic", 0, digits=1).get(0).prompt[1] == "*"
 
 
-def test_make_task_source_files(tmp_path):
+def test_the_factory_makes_file_sources(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
-    item = make_task_source(str(path), seed=0).get(3)
+    item = _source(str(path), 0).get(3)
     assert isinstance(item, TaskItem) and (item.prompt, item.answer) == ("1+1=", "2")
 
 
-@pytest.mark.parametrize("spec", ["synthetic:nope", "data.csv"])
-def test_make_task_source_rejects_unknown(spec):
-    with pytest.raises(ValueError, match="jsonl"):
-        make_task_source(spec, seed=0)
+@pytest.mark.parametrize(
+    ("spec", "match"), [("synthetic:nope", "unknown synthetic task"), ("data.csv", "jsonl")]
+)
+def test_the_factory_rejects_unknown_specs(spec, match):
+    with pytest.raises(ValueError, match=match):
+        _source(spec, 0)
