@@ -160,6 +160,7 @@ SYNC_LAYOUT = "sync-pinned"
 ASYNC_LAYOUT = "async-unpinned"
 # η of the async modes: 1 (examples/tool_arithmetic.yaml) and 4 (the default of algo.max_staleness)
 ASYNC_ETAS = (1, 4)
+MODE_COLORS = {"sync": "black", "async-η1": "tab:blue", "async-η4": "tab:orange"}
 
 
 def modes_for_bench() -> list[Mode]:
@@ -568,11 +569,37 @@ def _f(x: float | None, fmt: str = ".3f") -> str:
     return "-" if x is None or x != x else format(x, fmt)
 
 
+def run_from_json(d: dict[str, Any], mode: Mode) -> Run:
+    """A run recorded in agentic_runs.jsonl (by `run_json`, with its episodes), for a report
+    that resumes a sitting."""
+    import shlex
+
+    records = [dict(r) for r in d["records"]]
+    for r in records:  # records from before `samples` was kept: every step trains B x G
+        r.setdefault("samples", d["samples"] // max(1, len(records)))
+    res = RunResult(
+        d["mode"],
+        Path(),
+        shlex.split(d["cmd"]),
+        d["rc"],
+        d["process_wall_s"],
+        records=records,
+        summary={"dropped_stale": d["dropped_stale"], "admitted": d["admitted"]},
+    )
+    res.load_before, res.load_after, res.code = d["load_before"], d["load_after"], d["code"]
+    run = Run(
+        d["latency"], d["seed"], mode, res, d["episodes"], d["watch_error"], d["episodes_watched"]
+    )
+    run.eval_t1, run.eval_greedy = d["eval_t1"], d["eval_greedy"]
+    return run
+
+
 def run_json(r: Run, target: float | None) -> dict[str, Any]:
     res = r.res
     keys = (
         "step",
         "wall_s",
+        "samples",
         "reward_mean",
         "tool_ok_frac",
         "staleness_max",
@@ -635,7 +662,7 @@ def plot(runs: list[Run], targets: dict[tuple[str, int], float], path: Path) -> 
             ax.plot(
                 xs,
                 rolling(r.res.rewards(), K),
-                color="black" if r.mode.sync else "tab:blue",
+                color=MODE_COLORS.get(r.mode.name, "tab:green"),
                 ls=styles[seeds.index(r.seed) % len(styles)],
                 label=f"{r.mode.name}, seed {r.seed}",
             )
@@ -647,7 +674,9 @@ def plot(runs: list[Run], targets: dict[tuple[str, int], float], path: Path) -> 
         ax.set_ylabel(f"training reward (rolling {K} steps)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("tool_arithmetic: async (η=1, interruptible) vs sync (η=0), 2-core CPU")
+    fig.suptitle(
+        "tool_arithmetic: async (η=1, η=4, interruptible) vs sync (η=0), same steps, 2-core CPU"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -720,6 +749,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="run dirs (default: a new temp dir, kept)")
     ap.add_argument("--only", help="--probe: comma list of PROBE_MODES names")
     ap.add_argument("--tag", default="", help="--probe: suffix of its report's file names")
+    ap.add_argument("--note", help="a line for the report's header (e.g. how a sitting went)")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args()
     args.seeds = args.seeds or ([0] if args.quick else [0, 1])
@@ -759,14 +789,26 @@ def main() -> int:
         )
     runs: list[Run] = []
     loads = []
+    log = tmp / "agentic_runs.jsonl"  # every finished run, as it ends: what --out resumes
+    done = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            d = json.loads(line)
+            if d["rc"] == 0 and d["steps"] == args.steps:
+                done[(d["latency"], d["seed"], d["mode"])] = d
+    resumed = []
     with EmbeddedNats(store_dir=tmp / "nats") as server:
         for lat in args.latency:
             for seed in args.seeds:
                 for m in modes:
-                    runs.append(run_one(server, tmp, lat, seed, m, args.steps, args.extra))
-                    with open(tmp / "agentic_runs.jsonl", "a") as f:
-                        rec = {**run_json(runs[-1], None), "episodes": runs[-1].episodes}
-                        f.write(json.dumps(rec) + "\n")
+                    if (lat, seed, m.name) in done:
+                        runs.append(run_from_json(done[(lat, seed, m.name)], m))
+                        resumed.append(f"{lat}/{m.name}/s{seed}")
+                    else:
+                        runs.append(run_one(server, tmp, lat, seed, m, args.steps, args.extra))
+                        with open(log, "a") as f:
+                            rec = {**run_json(runs[-1], None), "episodes": runs[-1].episodes}
+                            f.write(json.dumps(rec) + "\n")
                     loads.append(
                         f"{lat}/{m.name}/s{seed}: {runs[-1].res.load_before:.1f}"
                         f"->{runs[-1].res.load_after:.1f}"
@@ -856,8 +898,19 @@ def main() -> int:
                 for s, w in warm.items()
             ],
             code_note([r.res for r in runs]),
-            f"- total bench time {total_s / 60:.1f} min; 1-min load before->after each run: "
-            + ", ".join(loads),
+            *([f"- note: {args.note}"] if args.note else []),
+            f"- total bench time {total_s / 60:.1f} min (this sitting; the runs' `areal run` "
+            f"processes: {sum(r.res.process_wall_s for r in runs) / 60:.1f} min in all); "
+            "1-min load before->after each run: " + ", ".join(loads),
+            *(
+                [
+                    f"- resumed: {len(resumed)} of {len(runs)} runs were loaded from {log.name} "
+                    "(recorded as they ended by earlier sittings of this command with the same "
+                    f"--out), not run in this sitting: {', '.join(resumed)}"
+                ]
+                if resumed
+                else []
+            ),
             "",
             "## Speedup of async over sync",
             "",

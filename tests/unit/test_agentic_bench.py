@@ -117,3 +117,22 @@ def test_eval_batches_the_turns_of_all_episodes() -> None:
     episodes = asyncio.run(A._run_eval(parts, tasks))
     assert len(episodes) == 20 and all(e.n_turns == 2 for e in episodes)
     assert sum(engine.calls) == 40 and len(engine.calls) <= 4  # batched, not one call a turn
+
+
+def test_a_recorded_run_comes_back_for_a_resumed_report() -> None:
+    from _rl import RunResult
+
+    cmd = ["python", "-m", "areal.cli", "run", "x.yaml", "--set", "a={b: 1}"]
+    records = [
+        {"step": i + 1, "wall_s": 2.0 * (i + 1), "samples": 128, "reward_mean": 0.1 * i}
+        for i in range(12)
+    ]
+    res = RunResult("sync", Path("/tmp/x"), cmd, 0, 40.0, records=records)
+    res.summary = {"dropped_stale": 0, "admitted": 192}
+    mode = A.modes_for_bench()[0]
+    run = A.Run("fixed", 1, mode, res, [ep("a", 0, 0, outcome="trained", lag=0)], None, 1536)
+    run.eval_t1, run.eval_greedy = 0.5, 0.9
+    d = {**A.run_json(run, 0.3), "episodes": run.episodes}
+    back = A.run_from_json(d, mode)
+    assert A.run_json(back, 0.3) == A.run_json(run, 0.3)
+    assert back.episodes == run.episodes and back.res.samples == 12 * 128
