@@ -1,4 +1,4 @@
-"""Small pieces every service uses: heartbeats and a busy-time meter.
+"""Small pieces every service uses: heartbeats, a periodic stats log line and a busy-time meter.
 
 A heartbeat names its process (`pid`, `host`), so the watchdog that finds it silent
 (`areal.core.watchdog`) can say which process froze, on which host."""
@@ -13,8 +13,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import structlog
+
 from areal.bus.client import Bus
 from areal.core.watchdog import HEARTBEAT_S
+
+log = structlog.get_logger()
 
 
 class BusyMeter:
@@ -53,3 +57,23 @@ async def heartbeat_loop(
             await bus.metric("heartbeat", {**stats(), **me})
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), period_s)
+
+
+async def stats_log_loop(
+    event: str,
+    stats: Callable[[], dict[str, Any]],
+    stop: asyncio.Event,
+    period_s: float,
+) -> None:
+    """Log `event` with `stats()` every `period_s` until stopped, skipping a period in which
+    nothing changed (an idle replica does not fill its log); the caller logs the final counts."""
+    last: dict[str, Any] | None = None
+    while not stop.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), period_s)
+        if stop.is_set():
+            return
+        now = stats()
+        if now != last:
+            log.info(event, **now)
+            last = now

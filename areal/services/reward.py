@@ -23,6 +23,10 @@ Invariants:
   goes on to the trainer (which retires the task), so one bad message costs only its own task. A rollout's
   marker is passed through unscored. A score that is not finite or outside the scorer's declared
   range counts as a scorer error (reward 0, `verifier["error"]`).
+- Each replica counts what it did (`stats()`: groups and samples scored, errors, rejected groups,
+  markers passed on) and logs it as `reward_worker_stats` every `stats_log_s` while the count
+  moves and once more at exit as `reward_stopped`, so `docker compose logs reward` shows each
+  replica's share; the same counts are in its heartbeat.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from areal.bus.codec import unpack
 from areal.core.validate import Bounds, Verdict, check_group, check_marker
 from areal.rewards.registry import get_reward_fn
 from areal.rewards.scoring import Item, Scored, takes_episode
-from areal.services.common import BusyMeter, heartbeat_loop
+from areal.services.common import BusyMeter, heartbeat_loop, stats_log_loop
 from areal.services.reward_pool import ScoringPool
 from areal.services.samples import publish_group, rejection_marker
 from schemas import Sample, SampleGroup, ScoredGroup, ScoredSample
@@ -114,6 +118,7 @@ class RewardService:
         overlong: OverlongShaping | None = None,
         bounds: Bounds | None = None,
         score_range: tuple[float, float] = (-math.inf, math.inf),
+        stats_log_s: float = 30.0,
     ) -> None:
         # fail fast on a bad spec, in this process; and does it take the episode?
         self._takes_episode = takes_episode(get_reward_fn(fn_name))
@@ -126,6 +131,9 @@ class RewardService:
         self.n_rejected = 0  # groups dead-lettered for not fitting the run
         self.pool = ScoringPool(fn_name, workers=pool_workers, timeout_s=timeout_s)
         self.n_scored = 0  # scored samples published and acked
+        self.n_groups = 0  # scored groups published and acked
+        self.n_markers = 0  # rollouts' rejection markers passed on unscored
+        self.stats_log_s = stats_log_s
         self.n_errors = 0  # samples whose scorer raised or timed out (reward 0)
         self.meter = BusyMeter()
         self._queue: list[tuple[Sample, asyncio.Future[Scored]]] = []
@@ -206,6 +214,7 @@ class RewardService:
         scored = ScoredSample(sample=sample, reward=0.0, reward_worker_id=self.bus.worker_id)
         await self.bus.publish(S.REWARDS, ScoredGroup(scored=[scored]))
         await lease.ack()
+        self.n_markers += 1
 
     async def _refuse(self, sample: Sample, lease: Lease, reason: str) -> None:
         """Dead-letter a group (`sample`: its first); if it names a task of this run, tell the
@@ -238,6 +247,7 @@ class RewardService:
         await publish_group(self.bus, S.REWARDS, scored, _scored_group)
         await lease.ack()
         self.n_scored += len(scored)
+        self.n_groups += 1
 
     def _scored(self, sample: Sample, reward: float, detail: dict) -> ScoredSample:
         if self.overlong is not None:
@@ -251,6 +261,9 @@ class RewardService:
     async def run(self, stop: asyncio.Event) -> None:
         log.info("reward_started", fn=self.fn_name, timeout_s=self.timeout_s)
         hb = asyncio.create_task(heartbeat_loop(self.bus, self.heartbeat, stop))
+        report = asyncio.create_task(
+            stats_log_loop("reward_worker_stats", self._logged_stats, stop, self.stats_log_s)
+        )
         try:
             await self.bus.consume(
                 S.TRAJECTORIES,
@@ -263,7 +276,9 @@ class RewardService:
             )
         finally:
             hb.cancel()
+            report.cancel()
             self.close()
+            log.info("reward_stopped", **self._logged_stats())  # this replica's share of the run
 
     def close(self) -> None:
         """Stop batching and kill the scoring processes; idempotent."""
@@ -271,11 +286,24 @@ class RewardService:
             self._batcher.cancel()
         self.pool.close()
 
-    def heartbeat(self) -> dict:
+    def stats(self) -> dict:
+        """What this replica did so far (counts since it started; the heartbeat has them too)."""
         return {
+            "groups": self.n_groups,
             "samples": self.n_scored,
             "errors": self.n_errors,
             "rejected": self.n_rejected,
+            "markers": self.n_markers,
+        }
+
+    def _logged_stats(self) -> dict:
+        # the worker id is bound to every log line of a worker process; named here as well,
+        # so the line says whose counts these are wherever it is read
+        return {"worker_id": self.bus.worker_id, **self.stats()}
+
+    def heartbeat(self) -> dict:
+        return {
+            **self.stats(),
             "pool_calls": self.pool.n_calls,  # samples / pool_calls = the batching achieved
             "pool_resets": self.pool.n_resets,  # hangs past the backstop, dead scoring processes
             "busy_frac": self.meter.busy_frac(),
