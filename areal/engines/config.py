@@ -16,7 +16,7 @@ from typing import Literal
 
 from areal.algo.loss import PPOLossConfig
 
-__all__ = ["InferenceEngineConfig", "TrainEngineConfig"]
+__all__ = ["InferenceEngineConfig", "LoraSpec", "TrainEngineConfig"]
 
 _DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
@@ -58,6 +58,29 @@ class InferenceEngineConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoraSpec:
+    """The adapter a trainer trains (``train.lora``)."""
+
+    r: int = 16  # rank of A [r, in] and B [out, r], >= 1
+    alpha: float = 32.0  # scale of the update: W = W0 + (alpha / r) B A, > 0
+    dropout: float = 0.0  # dropout on the adapter's input in the loss forward, [0, 1)
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __post_init__(self) -> None:
+        if self.r < 1 or self.alpha <= 0 or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(
+                f"lora needs r >= 1, alpha > 0 and dropout in [0, 1), got r={self.r}, "
+                f"alpha={self.alpha}, dropout={self.dropout}"
+            )
+        if not self.target_modules:
+            raise ValueError("lora.target_modules is empty: name the linear layers to adapt")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainEngineConfig:
     """How to build a training engine (``kind`` "torch", "fsdp" or "deepspeed").
 
@@ -85,6 +108,7 @@ class TrainEngineConfig:
     zero_stage: int = 2  # DeepSpeed ZeRO stage 1..3 (deepspeed only; 0 has no non-finite guard)
     gradient_checkpointing: bool = False  # recompute decoder layers in backward (fsdp, deepspeed)
     activation_offload: bool = False  # saved activations to pinned CPU memory (fsdp, CUDA only)
+    lora: LoraSpec | None = None  # train a LoRA adapter only (torch, fsdp); None = full weights
 
     def __post_init__(self) -> None:
         if self.kind not in ("torch", "fsdp", "deepspeed"):
@@ -106,6 +130,8 @@ class TrainEngineConfig:
             raise ValueError(
                 f"temperature must be > 0 (use 1.0 for greedy rollouts), got {self.temperature}"
             )
+        if self.lora is not None and self.kind == "deepspeed":
+            raise ValueError("lora works with the torch and fsdp engines, not deepspeed")
         if self.n_minibatches < 1 or self.fixed_mb_size < 1:
             raise ValueError(
                 "n_minibatches and fixed_mb_size must be >= 1, got "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,13 +46,15 @@ def save_hf_dir(
     state_dict: dict[str, torch.Tensor] | None,
     src_model_dir: str | Path,
     out_dir: str | Path,
+    extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``model`` to ``out_dir`` as an HF directory (config + safetensors + the source's
     non-weight files).
 
     ``state_dict``: the weights to write (e.g. gathered from ZeRO-3 shards); None = the model's
     own. ``src_model_dir``: the directory the model was loaded from, whose non-weight files are
-    copied. Returns ``out_dir`` as a Path.
+    copied. ``extra``: writes more files into the (temp) directory before it is swapped in
+    (a LoRA run's ``adapter/``). Returns ``out_dir`` as a Path.
     """
     dst = Path(out_dir)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -62,6 +65,8 @@ def save_hf_dir(
         for f in sorted(Path(src_model_dir).iterdir()):
             if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not (tmp / f.name).exists():
                 shutil.copy2(f, tmp / f.name)
+        if extra is not None:
+            extra(tmp)
         _swap_in(tmp, dst, tag)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -19,6 +19,9 @@ Invariants:
   once with no output).
 - Prefill runs each distinct token sequence once (a GRPO group's G requests share one prompt)
   and copies its cache rows; decoding then samples every row independently.
+- A LoRA adapter (`areal.engines.lora`) loads like full weights, through the same check and the
+  same token-boundary switch: the adapted weights become ``W0 + s B A`` from a pristine copy of
+  ``W0`` (kept for the adapted weights only); full weights drop that copy.
 - Thread-safety: ``generate`` holds the engine lock for its whole run; ``poll_weights`` is the
   only way to hand weights in mid-generation (a ``load_weights`` from another thread waits).
 
@@ -46,6 +49,7 @@ from areal.engines.base import (
     WeightUpdate,
 )
 from areal.engines.config import InferenceEngineConfig
+from areal.engines.lora import base_fingerprint, check_adapter, is_adapter, merge_adapter
 from areal.engines.weights_check import check_state_dict, spec_of
 
 __all__ = ["TorchInferenceEngine", "resolve_dtype", "sample_tokens", "weights_from_safetensors"]
@@ -210,7 +214,10 @@ class TorchInferenceEngine:
             cfg.model_path, dtype=resolve_dtype(cfg.dtype), local_files_only=True
         ).to(self.device)
         self.model.eval()
-        self._spec = spec_of(self.model.state_dict())  # what a weights blob must match
+        self._live = self.model.state_dict()  # views of the parameters, by plain name
+        self._spec = spec_of(self._live)  # what a weights blob must match
+        self._base_fingerprint = base_fingerprint(self._live)  # what an adapter must match
+        self._pristine: dict[str, torch.Tensor] = {}  # W0 of weights an adapter changed
         self.max_batch_size = cfg.max_batch_size
         self.max_seq_len: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self.vocab_size: int = self.model.get_input_embeddings().num_embeddings  # ids must be below
@@ -225,14 +232,24 @@ class TorchInferenceEngine:
     # ------------------------------------------------------------------ weights
     def check_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Raise `WeightsMismatch` unless `state_dict` fits the model whole (names, shapes,
-        dtypes, finite values: `areal.engines.weights_check`); touches no parameter."""
+        dtypes, finite values: `areal.engines.weights_check`), or is an adapter for this base
+        model (`areal.engines.lora.check_adapter`); touches no parameter."""
+        if is_adapter(state_dict):
+            check_adapter(
+                self._spec, self._base_fingerprint, state_dict, what=f"adapter v{version}"
+            )
+            return
         check_state_dict(self._spec, state_dict, what=f"weights v{version}")
 
     def load_weights(self, update: WeightUpdate) -> None:
         """Check the whole state dict, then copy it: a refused one changes no parameter."""
         self.check_weights(update.state_dict, update.version)
         with self._lock:
-            self.model.load_state_dict(update.state_dict, strict=True)
+            if is_adapter(update.state_dict):
+                merge_adapter(self._live, self._pristine, update.state_dict)
+            else:
+                self.model.load_state_dict(update.state_dict, strict=True)
+                self._pristine = {}  # the new weights are the base from now on
             self.version = update.version
 
     # --------------------------------------------------------------- generation

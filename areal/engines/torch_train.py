@@ -14,6 +14,9 @@ Invariants:
   PPO reference and ``entropy``, the mean per-token entropy of the training forward's
   temperature-scaled distribution (computed without grad, before that minibatch's update).
 - The RL math (decoupled PPO loss, log-linear proximal policy, packing) comes from ``areal.algo``.
+- With ``lora`` only the adapter trains (`areal.engines.lora`): the optimizer holds its tensors,
+  `export_state_dict` (what is published) is the adapter alone, a checkpoint holds the adapter
+  and its optimizer state, and `save_pretrained` writes the merged model plus ``adapter/``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,15 @@ from areal.algo.loss import (
 from areal.engines.base import TrainSeq
 from areal.engines.config import TrainEngineConfig
 from areal.engines.hf_io import save_hf_dir
+from areal.engines.lora import (
+    AdapterMeta,
+    adapter_of,
+    base_fingerprint,
+    inject_lora,
+    merged_state_dict,
+    save_peft_adapter,
+    set_lora_dropout,
+)
 from areal.engines.seq_forward import SeqForward, load_causal_lm, seq_len
 from areal.engines.torch_infer import resolve_dtype
 
@@ -56,15 +68,7 @@ _CHECKPOINT_FORMAT = 1
 def export_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Contiguous CPU copies of every key of ``model.state_dict()``; tied tensors get their own
     storage, so safetensors accepts them and a fresh model's strict ``load_state_dict`` does too."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in model.state_dict().items():
-        t = t.detach().to("cpu").contiguous()
-        if t.data_ptr() in seen:
-            t = t.clone()
-        seen.add(t.data_ptr())
-        out[name] = t
-    return out
+    return export_plain(model.state_dict())
 
 
 class TorchTrainEngine:
@@ -80,12 +84,16 @@ class TorchTrainEngine:
         model, varlen = load_causal_lm(
             cfg.model_path, resolve_dtype(cfg.dtype), cfg.attn_implementation
         )
+        self.adapter_meta = lora_setup(model, cfg)
         self.model = model.to(self.device)
         self.model.eval()
         self.vocab_size: int = self.model.get_input_embeddings().num_embeddings
         self.max_seq_len: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            betas=cfg.betas,
+            weight_decay=cfg.weight_decay,
         )
         self.grad_clip = cfg.grad_clip
         self.loss_cfg = cfg.loss_cfg
@@ -107,6 +115,7 @@ class TorchTrainEngine:
     # ---------------------------------------------------------------- protocol
     def compute_logp(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(seqs)
+        set_lora_dropout(self.model, False)
         with torch.no_grad():
             for mb in self.fwd.micro_batches(seqs, max_tokens_per_mb):
                 for i, lp in zip(mb, self.fwd.logp([seqs[i] for i in mb]), strict=True):
@@ -121,6 +130,7 @@ class TorchTrainEngine:
         check_seqs(seqs)
         chunks = [c for c in split_contiguous(seqs, self.n_minibatches) if c]
         fill_prox_logp(chunks, cfg, self.prox_logp, self.compute_logp, max_tokens_per_mb)
+        set_lora_dropout(self.model, True)  # the loss forwards only (a no-op without lora)
         outs, grad_norms, skipped = [], [], 0
         n_mb, tokens, padded_tokens = 0, 0, 0
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -151,6 +161,7 @@ class TorchTrainEngine:
             elif losses:  # refuse the update: a non-finite loss or gradient changes nothing
                 skipped += 1
                 self.optimizer.zero_grad(set_to_none=True)
+        set_lora_dropout(self.model, False)
         self.version += 1
 
         stats = reduce_loss_stats(outs)
@@ -170,7 +181,9 @@ class TorchTrainEngine:
     # ------------------------------------------------------------ serialisation
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights as CPU tensors (what `weights_stream.export_blob` streams to the wire,
-        cast block by block: no second, whole blob in memory)."""
+        cast block by block: no second, whole blob in memory). With lora: the adapter alone."""
+        if self.adapter_meta is not None:
+            return adapter_of(self.model.state_dict(), self.adapter_meta)
         return export_state_dict(self.model)
 
     def export_safetensors(self) -> bytes:
@@ -180,8 +193,9 @@ class TorchTrainEngine:
 
     def save_pretrained(self, path: str) -> None:
         """HF directory at ``path`` (``hf_io.save_hf_dir``: config + safetensors + tokenizer and
-        other non-weight files of ``model_path``), swapped into place atomically."""
-        save_hf_dir(self.model, None, self.model_path, path)
+        other non-weight files of ``model_path``), swapped into place atomically. With lora:
+        the merged weights, and the adapter as a PEFT dir in ``adapter/``."""
+        save_lora_aware(self.model, self.adapter_meta, self.model_path, path)
 
     def save_checkpoint(self, path: str) -> None:
         """One file: model, optimizer, version, RNG; written to a temp file and renamed."""
@@ -202,7 +216,7 @@ class TorchTrainEngine:
 
         return {
             "format": _CHECKPOINT_FORMAT,
-            "model": detach(self.model.state_dict()),
+            "model": detach(trained_state(self.model, self.adapter_meta)),
             "optimizer": detach(self.optimizer.state_dict()),
             "version": self.version,
             "rng_cpu": torch.get_rng_state(),
@@ -230,7 +244,7 @@ class TorchTrainEngine:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if state.get("format") != _CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: unknown checkpoint format {state.get('format')!r}")
-        self.model.load_state_dict(state["model"], strict=True)
+        load_trained_state(self.model, self.adapter_meta, state["model"], path)
         self.optimizer.load_state_dict(state["optimizer"])
         for group in self.optimizer.param_groups:  # the config wins: a resume may change them
             group["lr"], group["weight_decay"] = self.cfg.lr, self.cfg.weight_decay
@@ -238,6 +252,85 @@ class TorchTrainEngine:
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng_cuda"])
+
+
+def lora_setup(model: torch.nn.Module, cfg: TrainEngineConfig) -> AdapterMeta | None:
+    """With ``cfg.lora``: fingerprint the base, inject the adapter (`areal.engines.lora`) and
+    return what travels with it; None (the model untouched) without."""
+    if cfg.lora is None:
+        return None
+    fingerprint = base_fingerprint(model.state_dict())
+    inject_lora(model, cfg.lora)
+    return AdapterMeta(
+        base=fingerprint,
+        r=cfg.lora.r,
+        alpha=cfg.lora.alpha,
+        target_modules=cfg.lora.target_modules,
+    )
+
+
+def save_lora_aware(
+    model: torch.nn.Module,
+    meta: AdapterMeta | None,
+    model_path: str,
+    path: str,
+    state: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """`save_hf_dir` of ``state`` (None: the model's own); with lora the merged weights, and
+    the adapter as a PEFT dir in ``adapter/``."""
+    if meta is None:
+        save_hf_dir(model, state, model_path, path)
+        return
+    full = state if state is not None else model.state_dict()
+    merged = export_plain(merged_state_dict(full, meta.alpha / meta.r))
+    adapter = adapter_of(full, meta)
+    save_hf_dir(
+        model,
+        merged,
+        model_path,
+        path,
+        extra=lambda d: save_peft_adapter(d / "adapter", adapter, model_path),
+    )
+
+
+def export_plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, tied ones with storage of their own (`export_state_dict`)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in state.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.data_ptr())
+        out[name] = t
+    return out
+
+
+def trained_state(model: torch.nn.Module, meta: AdapterMeta | None) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of the model: everything, or with lora the adapter tensors."""
+    state = model.state_dict()
+    if meta is None:
+        return state
+    return {k: v for k, v in state.items() if ".lora_" in k}
+
+
+def load_trained_state(
+    model: torch.nn.Module, meta: AdapterMeta | None, state: dict, path: str
+) -> None:
+    """Load a `trained_state` back; a full-model checkpoint into a lora engine (or back) is
+    refused with the fix."""
+    if meta is None:
+        if any(".lora_" in k for k in state):
+            raise ValueError(f"{path}: a LoRA adapter's checkpoint; resume with its train.lora")
+        model.load_state_dict(state, strict=True)
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or any(".lora_" in k for k in missing):
+        raise ValueError(
+            f"{path}: not a checkpoint of this LoRA adapter (unexpected {unexpected[:3]}, "
+            f"missing {[k for k in missing if '.lora_' in k][:3]}); resume with the train.lora "
+            "that wrote it"
+        )
 
 
 def check_seqs(seqs: list[TrainSeq]) -> None:
