@@ -517,6 +517,24 @@ class RewardSettings(_Part):
         return self
 
 
+class LoraSettings(_Part):
+    """A LoRA adapter (`train.lora`): only it trains and only it is published per version."""
+
+    r: int = Field(16, ge=1, le=1024, description="rank of the adapter's A [r, in] and B [out, r]")
+    alpha: float = Field(
+        32.0, gt=0, description="scale of the update: W = W0 + (alpha / r) B A, by alpha / r"
+    )
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="dropout on the adapter's input in the loss forward only"
+    )
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="linear layers to adapt, by name suffix (PEFT target_modules): q_proj, "
+        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj for Llama/Qwen2 models",
+    )
+
+
 class TrainSettings(_Part):
     engine: Literal["torch", "fsdp", "deepspeed"] = Field(
         "torch",
@@ -583,6 +601,12 @@ class TrainSettings(_Part):
         "before the trainer stops with the reason (s); None = until the write lands",
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads for the trainer")
+    lora: LoraSettings | None = Field(
+        None,
+        description="train a LoRA adapter instead of the full weights (torch and fsdp engines; "
+        "pip install 'areal-bus[lora]'): rollouts receive only the adapter per version, "
+        "final/ holds the merged model and adapter/; None = full weights",
+    )
 
     @model_validator(mode="after")
     def _ranks_need_a_distributed_engine(self) -> TrainSettings:
@@ -591,6 +615,8 @@ class TrainSettings(_Part):
                 f"train.nproc={self.nproc} needs a distributed engine: set train.engine=fsdp "
                 "or deepspeed, or train.nproc=1"
             )
+        if self.lora is not None and self.engine == "deepspeed":
+            raise ValueError("train.lora works with train.engine torch or fsdp, not deepspeed")
         return self
 
 

@@ -128,11 +128,16 @@ def _is_part(f: FieldInfo) -> bool:
     return isinstance(tp, type) and issubclass(tp, BaseModel)
 
 
-def _table(model: type[BaseModel], prefix: str) -> list[str]:
-    rows = [
-        "| field | type | default | description |",
-        "|---|---|---|---|",
-    ]
+def _optional_part(f: FieldInfo) -> type[BaseModel] | None:
+    """X for a field of type ``X | None`` with X a settings model (its fields get rows too)."""
+    args = [a for a in typing.get_args(f.annotation) if a is not type(None)]
+    if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0]
+    return None
+
+
+def _table(model: type[BaseModel], prefix: str, header: bool = True) -> list[str]:
+    rows = ["| field | type | default | description |", "|---|---|---|---|"] if header else []
     for name, f in model.model_fields.items():
         if _is_part(f):
             continue
@@ -144,6 +149,9 @@ def _table(model: type[BaseModel], prefix: str) -> list[str]:
             f"| {_code(prefix + name)} | {_code(_type_name(f.annotation))} | "
             f"{_code(_default(f))} | {desc} |"
         )
+        sub = _optional_part(f)
+        if sub is not None:
+            rows += _table(sub, f"{prefix}{name}.", header=False)
     return rows
 
 

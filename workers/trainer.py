@@ -34,6 +34,7 @@ def make_engine(settings: RunSettings) -> Any:
 
     from areal.algo.loss import PPOLossConfig
     from areal.engines.base import TrainEngineConfig
+    from areal.engines.config import LoraSpec
     from areal.engines.factory import make_train_engine
 
     view = TrainerView.of(settings)
@@ -65,6 +66,7 @@ def make_engine(settings: RunSettings) -> Any:
             gradient_checkpointing=t.gradient_checkpointing,
             zero_stage=t.zero_stage,
             activation_offload=t.activation_offload,
+            lora=None if t.lora is None else LoraSpec(**t.lora.model_dump()),
         )
     )
 

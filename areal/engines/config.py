@@ -74,6 +74,7 @@ class LoraSpec:
             )
         if not self.target_modules:
             raise ValueError("lora.target_modules is empty: name the linear layers to adapt")
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
 
     @property
     def scaling(self) -> float:

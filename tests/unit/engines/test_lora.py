@@ -9,7 +9,7 @@ import torch
 
 from areal.engines.base import GenRequest, SamplingParams, WeightUpdate
 from areal.engines.config import LoraSpec
-from areal.engines.lora import ADAPTER_KEY, merged_state_dict, meta_of
+from areal.engines.lora import ADAPTER_KEY, inject_lora, merged_state_dict, meta_of
 from areal.engines.weights_check import WeightsMismatch
 from tests.unit.engines.helpers import (
     full_logp,
@@ -191,3 +191,20 @@ def test_checkpoint_holds_the_adapter_and_final_holds_merged_and_adapter(model_d
         torch.testing.assert_close(
             full_logp(model, prompt, output), full_logp(ref, prompt, output), atol=1e-5, rtol=0
         )
+
+
+def test_train_lora_settings_reach_the_engine_config_and_deepspeed_is_refused():
+    from pydantic import ValidationError
+
+    from areal.config import TrainSettings
+
+    t = TrainSettings(lora={"r": 8, "target_modules": ["q_proj"]})
+    spec = LoraSpec(**t.lora.model_dump())
+    assert (spec.r, spec.alpha, spec.target_modules, spec.scaling) == (8, 32.0, ("q_proj",), 4.0)
+    assert TrainSettings().lora is None  # off by default
+    with pytest.raises(ValidationError, match="not deepspeed"):
+        TrainSettings(engine="deepspeed", lora={})
+    with pytest.raises(ValidationError):
+        TrainSettings(lora={"r": 0})
+    with pytest.raises(ValueError, match="nope_proj"):
+        inject_lora(tiny_model(0), LoraSpec(target_modules=("nope_proj",)))
