@@ -408,6 +408,9 @@ def describe(accounts: list[Account]) -> str:
 
 
 CONF_NAME = "nats-server.conf"
+# the users block alone, for a server whose config is not ours: `include auth.conf` (the Helm
+# chart's `config.merge: {00$include: ...}`, docker/k8s/nats-values.yaml)
+AUTH_NAME = "auth.conf"
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -429,9 +432,9 @@ def write_server_config(
     tls: ServerTLS | None = None,
     rotate: bool = False,
 ) -> tuple[Path, list[Account]]:
-    """`<out_dir>/nats-server.conf` (0600) for a server that serves `runs`, and a credentials
-    file per role (`ensure_accounts`). `store_dir`: JetStream's store (default
-    `<out_dir>/jetstream`)."""
+    """`<out_dir>/nats-server.conf` (0600) for a server that serves `runs`, its users block alone
+    in `<out_dir>/auth.conf` (0600), and a credentials file per role (`ensure_accounts`).
+    `store_dir`: JetStream's store (default `<out_dir>/jetstream`)."""
     from areal.bus.embedded import server_conf
 
     out = Path(out_dir).resolve()
@@ -451,4 +454,5 @@ def write_server_config(
     )
     conf = out / CONF_NAME
     _write_private(conf, header + text)
+    _write_private(out / AUTH_NAME, header + authorization_block(accounts))
     return conf, accounts

@@ -79,9 +79,15 @@ def test_every_command_is_a_real_subcommand_and_its_config_validates(monkeypatch
     for k, v in env.items():
         if v is not None:
             monkeypatch.setenv(k, str(v))
-    config = _subst("${AREAL_CONFIG:-./examples/arithmetic.yaml}")
-    mounts = dict(v.split(":")[:2] for v in services["trainer"]["volumes"])
-    assert mounts[config] == "/config/run.yaml"
+    config = _subst("${AREAL_CONFIG:-examples/arithmetic.yaml}")
+    (mount,) = [v for v in services["trainer"]["volumes"] if isinstance(v, dict)]
+    # the long form: `examples/x.yaml` without `./` is a path there, a volume name in `SRC:DST`
+    assert mount == {
+        "type": "bind",
+        "source": config,
+        "target": "/config/run.yaml",
+        "read_only": True,
+    }
     for role in WORKER_ROLES:
         cmd = services[role]["command"]
         assert cmd[:2] == ["worker", role]
@@ -137,7 +143,9 @@ def test_k8s_manifests_parse_with_the_expected_kinds():
     assert {"rollout", "reward"} <= kinds["Deployment"]
     assert {"trainer", "controller"} <= kinds["StatefulSet"]
     assert "areal-run" in kinds["ConfigMap"]
-    assert "Secret" in kinds and "Job" in kinds
+    assert {"areal-prepare", "areal-declare"} <= kinds["Job"]
+    assert {"controller", "trainer"} <= kinds["Service"]  # the StatefulSets' headless Services
+    assert "Secret" not in kinds  # made from `areal nats-config` (passwords): test_manifests.py
 
 
 def test_cluster_override_runs_three_routed_nodes_and_points_every_worker_at_them():
