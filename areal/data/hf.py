@@ -34,7 +34,15 @@ from typing import Any
 
 from areal.data.datasets import Record, record_of
 
-__all__ = ["SHARD_SUFFIXES", "hf_records", "hf_spec_error", "hub_cache_dir", "hub_snapshot"]
+__all__ = [
+    "SHARD_SUFFIXES",
+    "hf_files",
+    "hf_records",
+    "hf_spec_error",
+    "hf_where_in",
+    "hub_cache_dir",
+    "hub_snapshot",
+]
 
 SHARD_SUFFIXES = (".parquet", ".arrow")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -123,6 +131,47 @@ def hf_spec_error(where: str) -> str | None:
         f"hf:{where}: no such folder or file; give a datasets.save_to_disk folder, a folder or "
         "glob of .parquet/.arrow shards, or a hub dataset name cached on this host"
     )
+
+
+def _base_and_rest(where: str) -> tuple[str, str]:
+    """`where` as a base folder (or hub name) and the rest under it, from the string alone: a
+    glob's folders before its first pattern, a shard file's folder, else all of it."""
+    if _GLOB.search(where):
+        parts = Path(where).parts
+        first = next(i for i, part in enumerate(parts) if _GLOB.search(part))
+        return str(Path(*parts[:first])) if first else ".", str(Path(*parts[first:]))
+    if Path(where).suffix.lower() in SHARD_SUFFIXES:
+        return str(Path(where).parent), Path(where).name
+    return where, ""
+
+
+def hf_files(where: str) -> dict[str, Path]:
+    """The files `hf:<where>` reads, by their path under its base folder (`_base_and_rest`): a
+    copy of them in a folder D reads as `hf:<hf_where_in(where, D)>`, the same dataset. A hub
+    name's base is its cached snapshot (links followed)."""
+    problem = hf_spec_error(where)
+    if problem:
+        raise FileNotFoundError(problem)
+    base_s, rest = _base_and_rest(where)
+    base = Path(base_s).expanduser()
+    if not base.is_dir():  # a hub name (hf_spec_error found its snapshot)
+        snap = hub_snapshot(where)
+        assert snap is not None
+        base = snap
+    if _GLOB.search(where):
+        picked = _glob_files(where)
+    else:
+        target = base / rest if rest else base
+        picked = (
+            sorted(p for p in target.rglob("*") if p.is_file()) if target.is_dir() else [target]
+        )
+    return {p.relative_to(base).as_posix(): p for p in picked}
+
+
+def hf_where_in(where: str, copy_dir: Path | str) -> str:
+    """What `hf:` names for a copy of `hf_files(where)` in `copy_dir` (no file system read)."""
+    rest = _base_and_rest(where)[1]
+    return str(Path(copy_dir) / rest) if rest else str(copy_dir)
 
 
 @contextlib.contextmanager

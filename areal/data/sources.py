@@ -53,12 +53,13 @@ __all__ = [
     "ListTaskSource",
     "ReasoningGymSource",
     "is_finite",
+    "reads_files",
     "held_out_source",
     "make_sources",
     "make_source",
     "source_error",
-    "source_file",
-    "with_file",
+    "source_files",
+    "with_copy",
 ]
 
 FILE_SUFFIXES = (".jsonl", ".parquet", ".pq")
@@ -259,22 +260,43 @@ def source_error(spec: str) -> str | None:
     )
 
 
-def source_file(spec: str) -> Path | None:
-    """The local file `spec` reads (a .jsonl / .parquet path, or the file of `champ:<file>` /
-    `humaneval:<file>`), or None for a procedural source, a packaged data set or an `hf:`
-    dataset (a folder or cache entry: a worker on another host needs its own copy)."""
+def reads_files(spec: str) -> bool:
+    """Whether `spec` reads files of this host (`source_files` is not empty where they exist),
+    from the string alone."""
     kind, sep, arg = spec.partition(":")
     if kind in ("champ", "humaneval"):
-        return Path(arg) if sep and arg else None
-    if spec.startswith(("synthetic:", "reasoning_gym:", "hf:")):
-        return None
-    return Path(spec)
+        return bool(sep and arg)
+    return kind not in ("synthetic", "reasoning_gym")
 
 
-def with_file(spec: str, path: Path | str) -> str:
-    """`spec` reading `path` instead of its own file (a worker's local copy of a shared file)."""
+def source_files(spec: str) -> dict[str, Path]:
+    """The local files `spec` reads, by their path under the folder a copy puts them in (what
+    `areal run` shares with workers on other hosts): a .jsonl / .parquet file, the file of
+    `champ:<file>` / `humaneval:<file>`, the files of an `hf:` dataset (`areal.data.hf.hf_files`:
+    a folder's, a glob's, a cached hub dataset's snapshot); {} for a procedural source or a
+    packaged data set."""
+    if not reads_files(spec):
+        return {}
     kind, sep, arg = spec.partition(":")
-    return f"{kind}:{path}" if kind in ("champ", "humaneval") and sep and arg else str(path)
+    if kind == "hf" and sep:
+        from areal.data.hf import hf_files
+
+        return hf_files(arg)
+    path = Path(arg) if kind in ("champ", "humaneval") else Path(spec)
+    return {path.name: path}
+
+
+def with_copy(spec: str, copy_dir: Path | str) -> str:
+    """`spec` reading the copy of its `source_files` in `copy_dir` instead (a worker on another
+    host; the string alone decides, the original files need not exist here)."""
+    kind, sep, arg = spec.partition(":")
+    if kind == "hf" and sep:
+        from areal.data.hf import hf_where_in
+
+        return f"hf:{hf_where_in(arg, copy_dir)}"
+    if kind in ("champ", "humaneval") and sep and arg:
+        return f"{kind}:{Path(copy_dir) / Path(arg).name}"
+    return str(Path(copy_dir) / Path(spec).name)
 
 
 def is_finite(spec: str) -> bool:

@@ -4,14 +4,15 @@ The launcher's `config.json` names paths of its own host (the model in its cache
 file, the cache dir), so it cannot run a worker elsewhere. Instead the launcher shares
 (`share_run`) a portable config (the resolved settings with `reward.fn` resolved and no host
 paths: `model.path`, `cache_dir`, `nats.url` and `security.keys_dir` cleared), the model dir
-and the data file, in the run's object store. `areal worker ROLE --join RUN_ID --nats-url URL`
+and the data files (`areal.data.sources.source_files`: a JSONL / Parquet file, the files of an
+`hf:` dataset folder, glob or cached hub dataset), in the run's object store. `areal worker ROLE --join RUN_ID --nats-url URL`
 (`join_config`) fetches them into its own cache dir and runs from a config whose paths point
 into that copy.
 
 Invariants:
 - the files are shared before any worker starts, so a worker that joins while the run goes on
-  finds them; the model and the data file are shared while their running total is at most
-  `nats.share_max_bytes` (model first), the config always;
+  finds them; the model and each data source's files are shared while their running total is at
+  most `nats.share_max_bytes` (model first, a source's files all or none), the config always;
 - the run's keys never travel on the bus (anyone on it could read the ids secret, or swap the
   verify key for their own): a worker on another host is given a copy of the keys dir without
   the signing key (`--set security.keys_dir=DIR`, as the launcher's join hint says), and one
@@ -102,17 +103,17 @@ def shared_files(settings: RunSettings) -> dict[str, bytes | Path]:
         )
     else:
         log.warning("model_not_shared", bytes=model_bytes, share_max_bytes=budget)
-    from areal.data.sources import source_file
+    from areal.data.sources import source_files
 
     for name in DATA_FIELDS:
         spec = getattr(settings.data, name)
-        data = None if spec is None else source_file(spec)
-        if data is None:
+        data = {} if spec is None else source_files(spec)
+        size = sum(p.stat().st_size for p in data.values())
+        if not data:
             continue
-        size = data.stat().st_size
         if size <= budget:
             budget -= size
-            files[f"{DATA_PREFIX}{name}/{data.name}"] = data
+            files.update({f"{DATA_PREFIX}{name}/{rel}": p for rel, p in data.items()})
         else:
             log.warning("data_not_shared", setting=f"data.{name}", path=spec, bytes=size)
     return files
@@ -220,18 +221,17 @@ def joined_config(manifest: RunFilesManifest, files_dir: Path, overrides: list[s
             f"run {manifest.run_id!r} did not share its model (larger than the launcher's "
             "nats.share_max_bytes): pass --set model.path=<a local copy of the run's model dir>"
         )
-    from areal.data.sources import source_file, with_file
+    from areal.data.sources import reads_files, with_copy
 
     for name in DATA_FIELDS:
         spec = cfg["data"].get(name)
-        if spec is None or source_file(str(spec)) is None:
+        if spec is None or not reads_files(str(spec)):
             continue
-        shared = manifest.under(f"{DATA_PREFIX}{name}/")
-        if shared:
-            cfg["data"][name] = with_file(str(spec), (files_dir / shared[0].name).resolve())
+        if manifest.under(f"{DATA_PREFIX}{name}/"):
+            cfg["data"][name] = with_copy(str(spec), (files_dir / f"{DATA_PREFIX}{name}").resolve())
         elif not _overridden(given, "data", name):
             raise JoinError(
-                f"run {manifest.run_id!r} did not share its data.{name} file {spec!r} "
+                f"run {manifest.run_id!r} did not share its data.{name} {spec!r} "
                 "(larger than the launcher's nats.share_max_bytes): pass --set "
                 f"data.{name}=<a local copy>"
             )

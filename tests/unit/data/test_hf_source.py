@@ -207,8 +207,71 @@ def test_eval_source_on_the_training_split_is_refused(tmp_path):
         )
 
 
-def test_the_source_file_of_an_hf_source_is_none():
-    from areal.data.sources import is_finite, source_file
+def _as_joined_worker_reads(spec: str, copy_dir, tmp_path) -> list[str]:
+    """What a worker on another host reads of `spec`: the launcher's `source_files` copied into
+    `copy_dir` (as `fetch_run_files` leaves them), the original moved out of reach, the spec
+    rewritten by `with_copy`."""
+    import shutil
 
-    # hf: folders are not shared with --join workers: each host reads its own copy
-    assert source_file("hf:some/dir") is None and is_finite("hf:some/dir")
+    from areal.data.sources import source_files, with_copy
+
+    files = source_files(spec)
+    assert files
+    for rel, src in files.items():
+        (copy_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (copy_dir / rel).write_bytes(src.read_bytes())
+    shutil.move(tmp_path / "launcher", tmp_path / "gone")  # the launcher's files are elsewhere
+    try:
+        return prompts(make_source(with_copy(spec, copy_dir), mapped(split="train"), seed=0))
+    finally:
+        shutil.move(tmp_path / "gone", tmp_path / "launcher")
+
+
+@pytest.mark.parametrize("form", ["save_to_disk", "shards", "glob", "file"])
+def test_an_hf_dataset_is_shared_with_workers_on_other_hosts_as_its_files(tmp_path, form):
+    from datasets import Dataset, DatasetDict
+
+    base = tmp_path / "launcher"
+    ds = Dataset.from_dict(rows())
+    if form == "save_to_disk":
+        DatasetDict({"train": ds, "test": Dataset.from_dict(rows(2, 50))}).save_to_disk(
+            str(base / "d")
+        )
+        spec = f"hf:{base}/d"
+    else:
+        (base / "d" / "data").mkdir(parents=True)
+        ds.select(range(6)).to_parquet(str(base / "d" / "data" / "train-00000-of-00002.parquet"))
+        ds.select(range(6, N)).to_parquet(str(base / "d" / "data" / "train-00001-of-00002.parquet"))
+        (base / "d" / "README.md").write_text("not data")
+        spec = {
+            "shards": f"hf:{base}/d",
+            "glob": f"hf:{base}/d/data/train-*.parquet",
+            "file": f"hf:{base}/d/data/train-00000-of-00002.parquet",
+        }[form]
+    here = prompts(make_source(spec, mapped(split="train"), seed=0))
+    assert _as_joined_worker_reads(spec, tmp_path / "copy", tmp_path) == here
+    assert len(here) == (6 if form == "file" else N)
+
+
+def test_a_cached_hub_dataset_is_shared_as_its_snapshot(tmp_path, monkeypatch):
+    from datasets import Dataset
+
+    from areal.data.sources import source_files, with_copy
+
+    repo = tmp_path / "hf-home" / "hub" / "datasets--me--tiny"
+    snap = repo / "snapshots" / ("cd" * 20)
+    (snap / "data").mkdir(parents=True)
+    Dataset.from_dict(rows()).to_parquet(str(snap / "data" / "train-00000-of-00001.parquet"))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("cd" * 20)
+    assert list(source_files("hf:me/tiny")) == ["data/train-00000-of-00001.parquet"]
+    assert with_copy("hf:me/tiny", tmp_path / "copy") == f"hf:{tmp_path / 'copy'}"
+
+
+def test_what_reads_files_is_told_from_the_spec_alone():
+    from areal.data.sources import reads_files, source_files
+
+    for spec in ("synthetic:arithmetic", "reasoning_gym:gsm_symbolic", "champ", "humaneval"):
+        assert not reads_files(spec) and source_files(spec) == {}
+    for spec in ("hf:some/dir", "champ:x.json", "humaneval:x.jsonl", "tasks.jsonl"):
+        assert reads_files(spec)

@@ -143,7 +143,7 @@ def test_what_was_not_shared_needs_an_override_naming_the_fix(model_dir, data_fi
     with pytest.raises(JoinError, match=r"did not share its model.*--set model\.path="):
         joined_config(manifest, copy, [])
     with pytest.raises(
-        JoinError, match=r"did not share its data\.source file.*--set data\.source="
+        JoinError, match=r"did not share its data\.source .*--set data\.source="
     ):
         joined_config(manifest, copy, [f"model.path={model_dir}"])
     path = joined_config(manifest, copy, [f"model.path={model_dir}", f"data.source={data_file}"])
