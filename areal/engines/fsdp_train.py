@@ -21,6 +21,9 @@ Invariants:
 - Exported / saved weights are full tensors gathered to rank 0 and cast to ``dtype`` (what
   rollout workers load). Checkpoints hold the full fp32 model and optimizer state (rank 0
   writes one file), so a run may resume with another number of ranks.
+- With ``lora`` (`areal.engines.lora`) the adapter is injected before sharding and is all the
+  optimizer holds; exports gather the adapter's tensors alone (what is published), the HF dir
+  holds the merged model and ``adapter/``; checkpoints stay full (model and optimizer).
 - ``gradient_checkpointing`` recomputes each decoder layer in backward (same numbers, less
   memory); ``activation_offload`` keeps saved activations in pinned CPU memory (CUDA only; a
   no-op on CPU).
@@ -51,6 +54,7 @@ from areal.algo.loss import PPOLossOutput, loss_stat_sums, stats_from_sums
 from areal.engines.base import TrainSeq
 from areal.engines.config import TrainEngineConfig
 from areal.engines.hf_io import save_hf_dir
+from areal.engines.lora import adapter_of, lora_setup, save_lora_aware, set_lora_dropout
 from areal.engines.rank_group import ensure_rank_group, resolve_device
 from areal.engines.seq_forward import SeqForward, load_causal_lm, seq_len
 from areal.engines.torch_infer import resolve_dtype
@@ -112,12 +116,16 @@ class FSDPTrainEngine:
         self.model_path = cfg.model_path
         self.compute_dtype = resolve_dtype(cfg.dtype)
         model, varlen = load_causal_lm(cfg.model_path, torch.float32, cfg.attn_implementation)
+        self.adapter_meta = lora_setup(model, cfg)  # before sharding: PEFT wraps the layers
         model.to(self.device).eval()  # eval: no dropout, as in the torch engine
         self.vocab_size: int = model.get_input_embeddings().num_embeddings
         self.max_seq_len: int | None = getattr(model.config, "max_position_embeddings", None)
         self.model = _shard(model, self.device, self.world, self.compute_dtype, cfg)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=cfg.lr,
+            betas=cfg.betas,
+            weight_decay=cfg.weight_decay,
         )
         self.grad_clip = cfg.grad_clip
         self.loss_cfg = cfg.loss_cfg
@@ -146,6 +154,7 @@ class FSDPTrainEngine:
         for n in sizes:
             starts.append(starts[-1] + n)
         flat = torch.zeros(starts[-1], dtype=torch.float32, device=self.device)  # [sum T_i]
+        set_lora_dropout(self.model, False)
         with torch.no_grad():
             for k in range(n_pass):
                 if k >= len(mine):  # a dummy forward keeps FSDP's all-gathers in step
@@ -165,9 +174,11 @@ class FSDPTrainEngine:
         chunks = [c for c in split_contiguous(seqs, self.n_minibatches) if c]
         fill_prox_logp(chunks, self.loss_cfg, self.prox_logp, self.compute_logp, max_tokens_per_mb)
         totals = _StepTotals()
+        set_lora_dropout(self.model, True)  # the loss forwards only (a no-op without lora)
         for k, chunk in enumerate(chunks):
             prox_mode = minibatch_prox_mode(self.loss_cfg, self.prox_logp, k)
             self._train_minibatch(chunk, max_tokens_per_mb, totals, prox_mode)
+        set_lora_dropout(self.model, False)
         self.version += 1
         stats = self._reduced_stats(totals.outs)
         stats["loss"] /= max(len(chunks), 1)  # mean over minibatches of each minibatch's mean
@@ -265,9 +276,23 @@ class FSDPTrainEngine:
     # ------------------------------------------------------------ serialisation
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Full CPU weights in ``dtype`` on rank 0 ({} elsewhere); every rank must call this.
-        Valid until the next ``train_step`` (a tensor may share the live weights' storage)."""
+        Valid until the next ``train_step`` (a tensor may share the live weights' storage).
+        With lora: the adapter alone (only its tensors are gathered)."""
+        if self.adapter_meta is not None:
+            return self._export_adapter()
         state = get_model_state_dict(self.model, options=_FULL_TO_RANK0)
         return _own_storage({k: _cast(v, self.compute_dtype) for k, v in state.items()})
+
+    def _export_adapter(self) -> dict[str, torch.Tensor]:
+        lora = {}
+        for name, p in self.model.named_parameters():  # the same order on every rank
+            if ".lora_" in name:
+                full = p.full_tensor() if isinstance(p, DTensor) else p
+                lora[name] = _cast(full.detach(), self.compute_dtype)
+        if self.rank != 0:
+            return {}
+        assert self.adapter_meta is not None
+        return adapter_of(lora, self.adapter_meta)
 
     def export_safetensors(self) -> bytes:
         from safetensors.torch import save
@@ -277,7 +302,14 @@ class FSDPTrainEngine:
 
     def save_pretrained(self, path: str) -> None:
         """Rank 0 writes the HF directory (``hf_io.save_hf_dir``, the files the torch engine
-        writes); every rank must call this (the gather)."""
+        writes; with lora the merged model and ``adapter/``); every rank must call this (the
+        gather)."""
+        if self.adapter_meta is not None:
+            state = get_model_state_dict(self.model, options=_FULL_TO_RANK0)
+            if self.rank == 0:
+                state = {k: _cast(v, self.compute_dtype) for k, v in state.items()}
+                save_lora_aware(self.model, self.adapter_meta, self.model_path, path, state)
+            return
         state = self.export_state_dict()
         if self.rank == 0:
             save_hf_dir(self.model, state, self.model_path, path)

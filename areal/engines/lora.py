@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from areal.engines.config import LoraSpec
+from areal.engines.config import LoraSpec, TrainEngineConfig
+from areal.engines.hf_io import save_hf_dir
 from areal.engines.weights_check import TensorSpec, WeightsMismatch, all_finite
 
 __all__ = [
@@ -40,9 +41,11 @@ __all__ = [
     "check_adapter",
     "inject_lora",
     "is_adapter",
+    "lora_setup",
     "merge_adapter",
     "merged_state_dict",
     "meta_of",
+    "save_lora_aware",
     "save_peft_adapter",
     "set_lora_dropout",
 ]
@@ -168,6 +171,58 @@ def merged_state_dict(
 
 def meta_of(state_dict: Mapping[str, torch.Tensor]) -> AdapterMeta:
     return AdapterMeta.from_tensor(state_dict[ADAPTER_KEY])
+
+
+def lora_setup(model: torch.nn.Module, cfg: TrainEngineConfig) -> AdapterMeta | None:
+    """With ``cfg.lora``: fingerprint the base, inject the adapter (`areal.engines.lora`) and
+    return what travels with it; None (the model untouched) without."""
+    if cfg.lora is None:
+        return None
+    fingerprint = base_fingerprint(model.state_dict())
+    inject_lora(model, cfg.lora)
+    return AdapterMeta(
+        base=fingerprint,
+        r=cfg.lora.r,
+        alpha=cfg.lora.alpha,
+        target_modules=cfg.lora.target_modules,
+    )
+
+
+def save_lora_aware(
+    model: torch.nn.Module,
+    meta: AdapterMeta | None,
+    model_path: str,
+    path: str,
+    state: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """`save_hf_dir` of ``state`` (None: the model's own); with lora the merged weights, and
+    the adapter as a PEFT dir in ``adapter/``."""
+    if meta is None:
+        save_hf_dir(model, state, model_path, path)
+        return
+    full = state if state is not None else model.state_dict()
+    merged = _own_cpu(merged_state_dict(full, meta.alpha / meta.r))
+    adapter = adapter_of(full, meta)
+    save_hf_dir(
+        model,
+        merged,
+        model_path,
+        path,
+        extra=lambda d: save_peft_adapter(d / "adapter", adapter, model_path),
+    )
+
+
+def _own_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, tied ones with storage of their own (safetensors takes them)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in state.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.data_ptr())
+        out[name] = t
+    return out
 
 
 # ------------------------------------------------------------------ rollout side

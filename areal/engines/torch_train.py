@@ -43,10 +43,8 @@ from areal.engines.hf_io import save_hf_dir
 from areal.engines.lora import (
     AdapterMeta,
     adapter_of,
-    base_fingerprint,
-    inject_lora,
-    merged_state_dict,
-    save_peft_adapter,
+    lora_setup,
+    save_lora_aware,
     set_lora_dropout,
 )
 from areal.engines.seq_forward import SeqForward, load_causal_lm, seq_len
@@ -252,45 +250,6 @@ class TorchTrainEngine:
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng_cuda"])
-
-
-def lora_setup(model: torch.nn.Module, cfg: TrainEngineConfig) -> AdapterMeta | None:
-    """With ``cfg.lora``: fingerprint the base, inject the adapter (`areal.engines.lora`) and
-    return what travels with it; None (the model untouched) without."""
-    if cfg.lora is None:
-        return None
-    fingerprint = base_fingerprint(model.state_dict())
-    inject_lora(model, cfg.lora)
-    return AdapterMeta(
-        base=fingerprint,
-        r=cfg.lora.r,
-        alpha=cfg.lora.alpha,
-        target_modules=cfg.lora.target_modules,
-    )
-
-
-def save_lora_aware(
-    model: torch.nn.Module,
-    meta: AdapterMeta | None,
-    model_path: str,
-    path: str,
-    state: dict[str, torch.Tensor] | None = None,
-) -> None:
-    """`save_hf_dir` of ``state`` (None: the model's own); with lora the merged weights, and
-    the adapter as a PEFT dir in ``adapter/``."""
-    if meta is None:
-        save_hf_dir(model, state, model_path, path)
-        return
-    full = state if state is not None else model.state_dict()
-    merged = export_plain(merged_state_dict(full, meta.alpha / meta.r))
-    adapter = adapter_of(full, meta)
-    save_hf_dir(
-        model,
-        merged,
-        model_path,
-        path,
-        extra=lambda d: save_peft_adapter(d / "adapter", adapter, model_path),
-    )
 
 
 def export_plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

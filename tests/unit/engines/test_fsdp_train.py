@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from areal.bus.embedded import free_port
-from areal.engines.config import TrainEngineConfig
+from areal.engines.config import LoraSpec, TrainEngineConfig
 from tests.unit.engines.test_torch_train import make_seqs
 
 SHAPES = [(3, 5), (7, 2), (1, 9), (4, 4), (2, 1), (5, 6), (6, 3)]
@@ -41,6 +41,7 @@ def engine_cfg(kind: str, model_dir: str, **kw) -> TrainEngineConfig:
 ENGINE_OPTIONS = {
     "checkpointing": {"gradient_checkpointing": True, "activation_offload": True},
     "bf16": {"dtype": "bfloat16"},
+    "lora": {"lora": LoraSpec(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))},
 }
 
 
@@ -64,6 +65,9 @@ def _scenario(name: str, engine, out: Path) -> dict:
     elif name in ENGINE_OPTIONS:
         res["stats"] = [engine.train_step(batch(s), MAX_TOKENS) for s in (0, 1)]
         res["weights"] = engine.export_safetensors()
+        if name == "lora":
+            res["logp"] = engine.compute_logp(batch(3), MAX_TOKENS)
+            engine.save_pretrained(str(out / "final"))
     elif name == "nonfinite":
         res["stats"] = [engine.train_step(batch(0, nan_seq=5), MAX_TOKENS)]
         res["weights"] = engine.export_safetensors()
@@ -184,13 +188,14 @@ def run_group(name: str, world: int, model_dir: str, out: Path) -> dict:
     return torch.load(path, weights_only=False) if path.exists() else {}
 
 
-def torch_reference(model_dir: str, steps: list[int], nan_seq: int | None = None) -> dict:
+def torch_reference(model_dir: str, steps: list[int], nan_seq: int | None = None, **kw) -> dict:
     from areal.engines.torch_train import TorchTrainEngine
 
-    eng = TorchTrainEngine(engine_cfg("torch", model_dir))
+    eng = TorchTrainEngine(engine_cfg("torch", model_dir, **kw))
     res = {"logp": eng.compute_logp(batch(0), MAX_TOKENS)}
     res["stats"] = [eng.train_step(batch(s, nan_seq), MAX_TOKENS) for s in steps]
     res["weights"] = eng.export_safetensors()
+    res["logp_after"] = eng.compute_logp(batch(3), MAX_TOKENS)
     return res
 
 
@@ -275,6 +280,29 @@ def test_bf16_compute_keeps_fp32_master_weights_and_exports_bf16(model_dir, tmp_
         abs(got["stats"][0]["loss"] - ref["stats"][0]["loss"])
         < 0.05 * abs(ref["stats"][0]["loss"]) + 1e-3
     )
+
+
+@pytest.mark.slow
+def test_lora_on_two_ranks_replays_through_one_torch_process(model_dir, tmp_path):
+    """The adapter trained by 2 FSDP ranks is the 1-process one (the same tolerances); only the
+    adapter is exported, and final/ holds the merged model and adapter/."""
+    from safetensors.torch import load
+    from transformers import AutoModelForCausalLM
+
+    from areal.engines.lora import ADAPTER_KEY
+
+    got = run_group("lora", 2, model_dir, tmp_path)
+    ref = torch_reference(model_dir, [0, 1], **ENGINE_OPTIONS["lora"])
+    for r, g in zip(ref["stats"], got["stats"], strict=True):
+        assert_stats_close(r, g)
+    assert max_weight_diff(ref["weights"], got["weights"]) <= TOL
+    adapter = load(got["weights"])
+    assert ADAPTER_KEY in adapter and all(".lora_" in k for k in set(adapter) - {ADAPTER_KEY})
+    for a, b in zip(ref["logp_after"], got["logp"], strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=TOL)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final", local_files_only=True)
+    assert not any("lora" in k for k in merged.state_dict())
+    assert (tmp_path / "final" / "adapter" / "adapter_model.safetensors").exists()
 
 
 @pytest.mark.slow
