@@ -12,8 +12,10 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -111,6 +113,12 @@ def test_gpu_override_reserves_a_gpu_for_trainer_and_rollout():
         (dev,) = services[role]["deploy"]["resources"]["reservations"]["devices"]
         assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
     assert services["setup"]["build"]["target"] == "cuda"
+    # every service of the base file on the areal image gets the cuda one (declare included:
+    # the cpu image is not built under this override)
+    base = compose()["services"]
+    on_areal = {n for n, s in base.items() if s["image"] == base["setup"]["image"]}
+    assert on_areal == {"setup", "declare", *WORKER_ROLES}
+    assert all(services[n]["image"] == "areal-bus:cuda" for n in on_areal)
 
 
 def test_dockerfile_installs_dependencies_before_the_source():
@@ -176,6 +184,73 @@ def test_cluster_override_runs_three_routed_nodes_and_points_every_worker_at_the
     assert settings.nats.replicas == 3 and settings.nats.url.count(",") == 2
 
 
+# ------------------------------------------------------------------ `docker compose config`
+def _compose_cli() -> str | None:
+    """Why `docker compose config` cannot run here (it needs the CLI, not a daemon)."""
+    if shutil.which("docker") is None:
+        return "no docker CLI"
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0:
+        return "no `docker compose` (v2) plugin"
+    return None
+
+
+def _rendered(*files: Path, **env: str) -> dict:
+    """`docker compose -f ... config` as compose itself resolves it (defaults, paths, merges)."""
+    args = [a for f in files for a in ("-f", str(f))]
+    r = subprocess.run(
+        ["docker", "compose", *args, "config", "--format", "json"],
+        env={k: v for k, v in os.environ.items() if not k.startswith("AREAL_")} | env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _config_sources(rendered: dict) -> dict[str, str]:
+    """service -> the host path mounted at /config/run.yaml (bind mounts only)."""
+    return {
+        name: v["source"]
+        for name, s in rendered["services"].items()
+        for v in s.get("volumes", [])
+        if v["target"] == "/config/run.yaml" and v["type"] == "bind"
+    }
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["examples/running_sum.yaml", "./examples/running_sum.yaml", "ABS"],
+    ids=["no-dot", "dot-slash", "absolute"],
+)
+def test_compose_mounts_the_run_config_by_any_path_form(path):
+    if reason := _compose_cli():
+        pytest.skip(reason)
+    want = str(ROOT / "examples" / "running_sum.yaml")
+    sources = _config_sources(_rendered(COMPOSE, AREAL_CONFIG=want if path == "ABS" else path))
+    assert set(sources) == {"setup", "declare", *WORKER_ROLES}
+    assert set(sources.values()) == {want}
+
+
+def test_gpu_override_renders_the_config_the_cuda_image_and_the_gpus():
+    if reason := _compose_cli():
+        pytest.skip(reason)
+    config = "examples/gpu/qwen2.5-1.5b-math.yaml"
+    r = _rendered(COMPOSE, ROOT / "docker" / "compose.gpu.yml", AREAL_CONFIG=config)
+    services = r["services"]
+    assert set(_config_sources(r).values()) == {str(ROOT / config)}
+    for name in ("setup", "declare", *WORKER_ROLES):
+        assert services[name]["image"] == "areal-bus:cuda", name
+    assert services["setup"]["build"]["target"] == "cuda"
+    for name in ("trainer", "rollout"):
+        (dev,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
+        assert int(dev["count"]) == 1  # AREAL_GPUS_PER_WORKER's default
+    for name in ("controller", "reward", "declare", "setup"):
+        assert "deploy" not in services[name]
+    assert services["rollout"]["shm_size"]  # vLLM's weight hand-off through /dev/shm
+
+
 # ------------------------------------------------------------------ opt-in: the real stack
 def _docker_answers() -> str | None:
     if shutil.which("docker") is None:
@@ -202,6 +277,26 @@ def _samples_by_replica(logs: str) -> dict[str, int]:
             replica = ln.split("|")[0].strip()
             got[replica] = got.get(replica, 0) + int(m[1])
     return {k: v for k, v in got.items() if v > 0}
+
+
+def _scored_by_replica(logs: str) -> dict[str, dict[str, int]]:
+    """`docker compose logs reward` -> each replica's `reward_stopped` counts."""
+    got: dict[str, dict[str, int]] = {}
+    for ln in logs.splitlines():
+        replica, _, line = ln.partition("|")
+        if '"reward_stopped"' in line:
+            rec = json.loads(line.strip())
+            got[replica.strip()] = {k: rec[k] for k in ("groups", "samples", "errors")}
+    return got
+
+
+def _project_leftovers(project: str) -> tuple[list[str], list[str]]:
+    """Containers and volumes still labelled with the compose project."""
+    label = f"label=com.docker.compose.project={project}"
+    ps = ["docker", "ps", "-a", "--filter", label, "--format", "{{.Names}}"]
+    vols = ["docker", "volume", "ls", "--filter", label, "--format", "{{.Name}}"]
+    out = [subprocess.run(c, capture_output=True, text=True).stdout.split() for c in (ps, vols)]
+    return out[0], out[1]
 
 
 def _assert_exact(s: dict, steps: int) -> None:
@@ -250,6 +345,15 @@ def test_compose_up_scaled_run_finishes_with_exact_accounting():
             text=True,
         ).stdout
         assert len(_samples_by_replica(logs)) == 2, logs[-3000:]  # both replicas generated
+        rewards = subprocess.run(
+            [*dc, "logs", "--no-color", "reward"],
+            env={**env, "AREAL_RUN_ID": runs[0]},
+            capture_output=True,
+            text=True,
+        ).stdout
+        scored = _scored_by_replica(rewards)  # each reward replica logs its share at exit
+        assert len(scored) == 2 and all(c["groups"] > 0 for c in scored.values()), scored
+        assert sum(c["groups"] for c in scored.values()) >= s["trained"] // 8, scored  # G = 8
         again = up(runs[0])  # the same, finished run: setup refuses it, naming the fix
         assert again.returncode != 0
         assert 'service "setup" didn\'t complete successfully: exit 2' in again.stderr
@@ -328,6 +432,84 @@ def test_compose_cluster_survives_a_node_kill_and_refuses_a_second_trainer():
             [*dc, "logs", "--no-color", "rollout"], env=env, capture_output=True, text=True
         ).stdout
         assert len(_samples_by_replica(logs)) == 2, logs[-3000:]
+        # the teardown docs/deploy/compose.md gives: `down -v` with the same files, nothing left
+        subprocess.run([*dc, "down", "-v"], env=env, check=True, capture_output=True)
+        assert _project_leftovers(project) == ([], [])
     finally:
         subprocess.run([*dc, "down", "-v"], env=env, capture_output=True)
         shutil.rmtree(ROOT / "runs" / run_id, ignore_errors=True)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compose_cluster_down_v_takes_the_files_of_up():
+    """The cause of nodes left behind (issue 46): `down -v` reading only docker-compose.yml
+    leaves nats-2, nats-3 and their volumes; with the cluster file too, nothing is left. The
+    nodes are created, not started (no run needed for what `down` removes)."""
+    if reason := _docker_answers():
+        pytest.skip(reason)
+    project = f"areal-test-{uuid.uuid4().hex[:6]}"
+    base = ["docker", "compose", "-p", project, "-f", str(COMPOSE)]
+    cluster = [*base, "-f", str(ROOT / "docker" / "compose.cluster.yml")]
+    env = {**os.environ, "AREAL_RUN_ID": project}
+    try:
+        subprocess.run([*cluster, "build"], env=env, check=True, capture_output=True)
+        r = subprocess.run(
+            [*cluster, "create", "nats", "nats-2", "nats-3"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        subprocess.run([*base, "down", "-v"], env=env, check=True, capture_output=True)
+        containers, volumes = _project_leftovers(project)
+        assert sorted(containers) == [f"{project}-nats-2-1", f"{project}-nats-3-1"]
+        assert sorted(volumes) == [f"{project}_nats-2", f"{project}_nats-3"]
+        subprocess.run([*cluster, "down", "-v"], env=env, check=True, capture_output=True)
+        assert _project_leftovers(project) == ([], [])
+    finally:
+        subprocess.run([*cluster, "down", "-v"], env=env, capture_output=True)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_compose_ports_publish_beside_a_nats_on_4222():
+    """`-f docker/compose.ports.yml` starts beside a server that holds 127.0.0.1:4222 (the
+    host's NATS, or a stand-in socket when none runs): NATS answers on 127.0.0.1:18222 and
+    14222, the 4222 holder is untouched, and `down -v` with the same files leaves nothing."""
+    if reason := _docker_answers():
+        pytest.skip(reason)
+    project = f"areal-test-{uuid.uuid4().hex[:6]}"
+    dc = ["docker", "compose", "-p", project, "-f", str(COMPOSE)]
+    dc += ["-f", str(ROOT / "docker" / "compose.ports.yml")]
+    env = {**os.environ, "AREAL_RUN_ID": project}
+    for k in ("AREAL_NATS_HOST_PORT", "AREAL_NATS_MONITOR_HOST_PORT"):
+        env.pop(k, None)
+    holder = None
+    try:
+        socket.create_connection(("127.0.0.1", 4222), timeout=2).close()
+    except OSError:  # nothing on 4222: hold it ourselves
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", 4222))
+        holder.listen()
+    try:
+        subprocess.run([*dc, "build"], env=env, check=True, capture_output=True)
+        r = subprocess.run(
+            [*dc, "up", "-d", "--wait", "nats"], env=env, capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        health = "http://127.0.0.1:18222/healthz?js-enabled-only=true"
+        with urllib.request.urlopen(health, timeout=5) as resp:
+            assert json.loads(resp.read())["status"] == "ok"
+        with socket.create_connection(("127.0.0.1", 14222), timeout=5) as s:
+            assert s.recv(5) == b"INFO "  # a NATS server's greeting
+        socket.create_connection(("127.0.0.1", 4222), timeout=2).close()  # still held
+        subprocess.run([*dc, "down", "-v"], env=env, check=True, capture_output=True)
+        assert _project_leftovers(project) == ([], [])
+    finally:
+        subprocess.run([*dc, "down", "-v"], env=env, capture_output=True)
+        shutil.rmtree(ROOT / "runs" / project, ignore_errors=True)
+        if holder is not None:
+            holder.close()
