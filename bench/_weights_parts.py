@@ -38,17 +38,19 @@ class Arch:
     layers: int
     heads: int
     kv_heads: int
+    qkv_bias: bool = True  # Qwen2 has q/k/v biases, Llama (SmolLM2) none
 
 
 ARCHS = {
     "qwen2.5-0.5b": Arch(151936, 896, 4864, 24, 14, 2),
     "qwen2.5-1.5b": Arch(151936, 1536, 8960, 28, 12, 2),
     "quick-64m": Arch(8192, 512, 1536, 10, 8, 2),
+    "smollm2-135m": Arch(49152, 576, 1536, 30, 9, 3, qkv_bias=False),
 }
 
 
 def shapes(arch: Arch) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of a Qwen2 state dict (tied embeddings)."""
+    """Names and shapes of a Qwen2 (or, without biases, Llama) state dict (tied embeddings)."""
     h, kv = arch.hidden, arch.hidden // arch.heads * arch.kv_heads
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab, h)}
     for i in range(arch.layers):
@@ -67,6 +69,9 @@ def shapes(arch: Arch) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        if not arch.qkv_bias:
+            for x in "qkv":
+                del out[p + f"self_attn.{x}_proj.bias"]
     out["model.norm.weight"] = (h,)
     return out
 

@@ -302,7 +302,8 @@ def merge_adapter(
         module = name.removesuffix(".weight")
         a = state_dict[f"{module}.lora_A.weight"].to(live.device)
         b = state_dict[f"{module}.lora_B.weight"].to(live.device)
-        live.copy_((w0.float() + _delta(a, b, scaling)).to(live.dtype))
+        delta = (b.float() * scaling) @ a.float()  # [out, in]; fp32, cast once (bf16 matmul
+        live.copy_(delta.add_(w0))  # on a CPU is ~20x slower, and rounds twice)
 
 
 def save_peft_adapter(out_dir, adapter: Mapping[str, torch.Tensor], base_model_path: str) -> None:
