@@ -790,6 +790,11 @@ class RunSettings(BaseSettings):
                 f"train.n_minibatches={self.train.n_minibatches} exceeds the "
                 f"{n_seqs} samples of a step (algo.batch_size * algo.group_size)"
             )
+        if self.train.lora is not None and self.rollout.engine == "vllm":
+            raise ValueError(
+                "train.lora with rollout.engine=vllm: the vLLM engine does not load LoRA "
+                "adapters yet; use rollout.engine=torch, or full weights (no train.lora)"
+            )
         if self.model.path is not None and not Path(self.model.path).is_dir():
             raise ValueError(
                 f"model.path {self.model.path!r} is not a directory on this host; a worker on "

@@ -59,8 +59,14 @@ from areal.engines.base import (
     WeightUpdate,
 )
 from areal.engines.config import InferenceEngineConfig
+from areal.engines.lora import ADAPTER_KEY
 from areal.engines.torch_infer import resolve_dtype
-from areal.engines.weights_check import TensorSpec, check_state_dict, spec_of_hf_dir
+from areal.engines.weights_check import (
+    TensorSpec,
+    WeightsMismatch,
+    check_state_dict,
+    spec_of_hf_dir,
+)
 
 __all__ = ["POLL_S", "VLLMInferenceEngine", "VLLMWorkerExtension"]
 
@@ -285,6 +291,11 @@ class VLLMInferenceEngine:
     def check_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Raise `WeightsMismatch` unless `state_dict` fits the model whole (names, shapes,
         dtypes, finite values: `areal.engines.weights_check`); touches no parameter."""
+        if ADAPTER_KEY in state_dict:
+            raise WeightsMismatch(
+                f"adapter v{version}: the vllm engine does not load LoRA adapters yet (nothing "
+                "was loaded); use rollout.engine=torch with train.lora"
+            )
         spec, optional = self._spec
         check_state_dict(spec, state_dict, optional=optional, what=f"weights v{version}")
 

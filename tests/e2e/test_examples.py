@@ -32,6 +32,12 @@ REAL_MODEL_EXAMPLES = {
         "eval.every_versions=2",
         "eval.max_new_tokens=24",
     ],
+    "smollm2_gsm_lora": [  # the pipeline with a LoRA adapter: published alone, merged in place
+        "rollout.max_new_tokens=24",
+        "data.eval_size=4",
+        "eval.every_versions=2",
+        "eval.max_new_tokens=24",
+    ],
     "smollm2_python_tool": [
         "rollout.max_new_tokens=48",
         "rollout.max_episode_tokens=160",

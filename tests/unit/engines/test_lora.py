@@ -208,3 +208,12 @@ def test_train_lora_settings_reach_the_engine_config_and_deepspeed_is_refused():
         TrainSettings(lora={"r": 0})
     with pytest.raises(ValueError, match="nope_proj"):
         inject_lora(tiny_model(0), LoraSpec(target_modules=("nope_proj",)))
+
+
+def test_train_lora_with_the_vllm_rollout_engine_is_refused_at_config_time(tmp_path):
+    from areal.config import ConfigError, load_settings
+
+    (tmp_path / "config.json").write_text("{}")
+    sets = [f"model.path={tmp_path}", "rollout.engine=vllm"]
+    with pytest.raises(ConfigError, match="does not load LoRA"):
+        load_settings(None, [*sets, "train.lora.r=8"])
