@@ -52,3 +52,36 @@ def test_vllm_rollout_run_keeps_its_invariants(tmp_path):
     assert recs[-1]["token_version_max"] >= 1
     log = (out / "logs" / "rollout-0.log").read_text()
     assert log.count("vllm_weights_reloaded") >= 1
+
+
+def test_areal_eval_on_vllm_scores_what_the_torch_engine_scores(tmp_path):
+    """`areal eval --engine vllm`: the same held-out items, prompts and reward as on the torch
+    engine, greedy and pass@k; greedy completions of the same model agree with the torch
+    engine's (both decode the argmax of the same fp32 model; a near-tie may flip a token, so
+    most, not all, must match)."""
+    from areal.data.tiny_model import SMALL_PRESET, build_tiny_model
+
+    model = build_tiny_model(tmp_path / "small", seed=0, preset=SMALL_PRESET)
+    reports = {}
+    for engine in ("torch", "vllm"):
+        path = tmp_path / f"{engine}.json"
+        args = [sys.executable, "-m", "areal.cli", "eval", str(model), "--config", str(EXAMPLE)]
+        args += ["--engine", engine, "--limit", "8", "--n", "2", "--out", str(path)]
+        args += ["--max-new-tokens", "12", "--set", "data.eval_size=8"]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        res = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert f"engine {engine}" in res.stdout and "pass@2 (n=2" in res.stdout
+        reports[engine] = json.loads(path.read_text())
+    torch_r, vllm_r = reports["torch"], reports["vllm"]
+    assert vllm_r["engine"] == "vllm" and vllm_r["n_items"] == torch_r["n_items"] == 8
+    assert [it["prompt"] for it in vllm_r["items"]] == [it["prompt"] for it in torch_r["items"]]
+    assert vllm_r["reward_fn"] == torch_r["reward_fn"]
+    same = sum(
+        a["greedy"] == b["greedy"] for a, b in zip(vllm_r["items"], torch_r["items"], strict=True)
+    )
+    assert same >= 6, [
+        (a["greedy"], b["greedy"]) for a, b in zip(vllm_r["items"], torch_r["items"], strict=True)
+    ]
+    sampled = vllm_r["sampled"]
+    assert sampled["n"] == 2 and 0.0 <= sampled["pass@1"] <= sampled["pass@2"] <= 1.0
