@@ -68,6 +68,13 @@ def _scenario(name: str, engine, out: Path) -> dict:
         if name == "lora":
             res["logp"] = engine.compute_logp(batch(3), MAX_TOKENS)
             engine.save_pretrained(str(out / "final"))
+            engine.save_checkpoint(str(out / "ckpt"))  # then step 2 twice: before and after
+            engine.train_step(batch(2), MAX_TOKENS)  # loading the checkpoint back
+            res["step2"] = engine.export_safetensors()
+            engine.load_checkpoint(str(out / "ckpt"))
+            res["version"] = engine.version
+            engine.train_step(batch(2), MAX_TOKENS)
+            res["step2_resumed"] = engine.export_safetensors()
     elif name == "nonfinite":
         res["stats"] = [engine.train_step(batch(0, nan_seq=5), MAX_TOKENS)]
         res["weights"] = engine.export_safetensors()
@@ -303,6 +310,8 @@ def test_lora_on_two_ranks_replays_through_one_torch_process(model_dir, tmp_path
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final", local_files_only=True)
     assert not any("lora" in k for k in merged.state_dict())
     assert (tmp_path / "final" / "adapter" / "adapter_model.safetensors").exists()
+    assert got["version"] == 2  # a LoRA run's checkpoint resumes to the same step
+    assert max_weight_diff(got["step2"], got["step2_resumed"]) <= TOL
 
 
 @pytest.mark.slow
