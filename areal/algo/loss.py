@@ -13,8 +13,11 @@ Invariants:
 - All tensors are flat ``[N]`` over tokens; ``mask`` is bool or 0/1 float.
 - Only ``logp`` carries gradient; ``prox_logp``, ``behav_logp``, ``adv`` are treated as constants.
 - A token with ``w_t > behav_imp_weight_cap`` is dropped from the loss (not clipped).
-- ``loss = sum over kept tokens / loss_denominator``; the caller passes the loss-mask token count
-  of the whole batch, so micro-batch losses add up to the batch mean.
+- ``loss = sum over kept tokens / loss_denominator``; the caller passes the minibatch's normaliser
+  (`areal.algo.loss_norm`; by default its loss-mask token count), so micro-batch losses add up
+  to the minibatch's loss. ``loss_denominator`` may also be ``[N]``, one per token.
+- ``LossInput`` / ``LossOutput`` are what every objective of `areal.algo.registry` takes and
+  returns; ``ppo_objective`` is this loss on them.
 - Tokens outside the mask never influence the loss, its gradient or the stats, even if they hold
   inf or NaN. An all-masked input gives loss 0 that is still connected to ``logp``'s graph.
 - ``approx_kl`` is Schulman's k3 estimator of KL(old || current) per kept token:
@@ -29,18 +32,48 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 __all__ = [
+    "LossInput",
+    "LossOutput",
+    "LossSettings",
     "PPOLossConfig",
     "PPOLossOutput",
     "loglinear_prox_logp",
     "loss_stat_sums",
     "ppo_loss",
+    "ppo_objective",
     "reduce_loss_stats",
+    "reduce_tokens",
     "stats_from_sums",
 ]
+
+
+class LossSettings(Protocol):
+    """What the objectives read: `areal.config.AlgoSettings` is one (the run's settings reach the
+    loss as they are, no field is copied on the way); `PPOLossConfig` is the plain one."""
+
+    @property
+    def eps_clip_low(self) -> float: ...
+    @property
+    def eps_clip_high(self) -> float: ...
+    @property
+    def behav_imp_weight_cap(self) -> float | None: ...
+    @property
+    def decoupled(self) -> bool: ...
+    @property
+    def loss(self) -> str: ...
+    @property
+    def loss_norm(self) -> str: ...
+    @property
+    def loss_norm_tokens(self) -> int | None: ...
+    @property
+    def gspo_eps_clip_low(self) -> float: ...
+    @property
+    def gspo_eps_clip_high(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -49,6 +82,55 @@ class PPOLossConfig:
     eps_clip_high: float = 0.2  # asymmetric allowed (DAPO clip-higher)
     behav_imp_weight_cap: float | None = 5.0  # None = no cap
     decoupled: bool = True  # False: standard PPO with logp_old = behav_logp
+    loss: str = "ppo"  # objective: ppo | gspo | pkg.mod:fn (`areal.algo.registry`)
+    loss_norm: str = "token"  # token | sequence | constant (`areal.algo.loss_norm`)
+    loss_norm_tokens: int | None = None  # constant: tokens per sequence (Dr. GRPO's max length)
+    gspo_eps_clip_low: float = 3e-4  # GSPO's sequence-ratio clip range below 1
+    gspo_eps_clip_high: float = 4e-4  # and above 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossInput:
+    """One micro-batch for an objective: flat ``[N]`` over its sequences' output tokens,
+    sequence after sequence.
+
+    Only ``logp`` carries gradient. ``prox_logp`` is the PPO reference when ``decoupled``
+    (else it equals ``behav_logp``). ``seq_ids`` numbers the sequences 0..S-1 in order, so a
+    sequence's tokens are ``seq_ids == i`` (sequence-level objectives such as GSPO group by it).
+    ``loss_denominator`` is the normaliser (`areal.algo.loss_norm`): one number, or ``[N]`` per
+    token; an objective returns ``sum_t loss_t / denominator_t`` (``reduce_tokens``), so the
+    micro-batch losses of a minibatch add up to its normalised loss.
+    """
+
+    logp: torch.Tensor  # [N] float, current policy at the rollout temperature; carries grad
+    prox_logp: torch.Tensor  # [N] float, proximal policy (no grad)
+    behav_logp: torch.Tensor  # [N] float, behaviour policy recorded by the rollout (no grad)
+    adv: torch.Tensor  # [N] float, the sample's advantage on each of its tokens
+    mask: torch.Tensor  # [N] bool, True = a loss token (model token of a kept sample)
+    seq_ids: torch.Tensor  # [N] int64, 0..S-1, non-decreasing: each token's sequence
+    versions: torch.Tensor  # [N] int64, policy version that generated each token
+    loss_denominator: float | torch.Tensor  # number, or [N] per token (> 0 on loss tokens)
+    entropy: torch.Tensor | None = None  # [N] float, current policy's entropy (no grad, stats)
+
+
+def reduce_tokens(
+    per_token: torch.Tensor, loss_denominator: float | torch.Tensor, n_kept: int
+) -> torch.Tensor:
+    """``sum_t per_token_t / denominator_t`` (a scalar with ``per_token``'s graph).
+    ``per_token`` must be exactly 0 on tokens outside the loss. A denominator <= 0 is an error
+    where a token contributes (a number: when ``n_kept`` > 0); elsewhere it counts as 1."""
+    if isinstance(loss_denominator, torch.Tensor):
+        den = loss_denominator.to(per_token.device, per_token.dtype)
+        if n_kept > 0 and bool(((den <= 0) & (per_token != 0)).any()):
+            raise ValueError("loss_denominator must be > 0 on every token that is kept")
+        return (per_token / torch.where(den > 0, den, torch.ones_like(den))).sum()
+    if loss_denominator <= 0:
+        if n_kept > 0:
+            raise ValueError(
+                f"loss_denominator must be > 0 when tokens are kept, got {loss_denominator}"
+            )
+        loss_denominator = 1.0
+    return per_token.sum() / loss_denominator
 
 
 @dataclass
@@ -70,14 +152,15 @@ def ppo_loss(
     behav_logp: torch.Tensor,
     adv: torch.Tensor,
     mask: torch.Tensor,
-    cfg: PPOLossConfig,
-    loss_denominator: float,
+    cfg: LossSettings | PPOLossConfig,
+    loss_denominator: float | torch.Tensor,
     entropy: torch.Tensor | None = None,
 ) -> PPOLossOutput:
     """Decoupled (or standard) PPO clipped surrogate over flat ``[N]`` token tensors.
 
-    ``entropy`` ``[N]`` (optional, no grad): the current policy's entropy at each token, only
-    summed into the stats.
+    ``loss_denominator``: one number (the batch's loss tokens by default) or ``[N]`` per token
+    (``reduce_tokens``). ``entropy`` ``[N]`` (optional, no grad): the current policy's entropy
+    at each token, only summed into the stats.
     """
     n = logp.shape[0]
     others = [("prox_logp", prox_logp), ("behav_logp", behav_logp), ("adv", adv)]
@@ -119,13 +202,7 @@ def ppo_loss(
     per_token = w_kept * pg_loss  # [N], exactly 0 outside kept
 
     n_kept = int(kept.sum().item())
-    if loss_denominator <= 0:
-        if n_kept > 0:
-            raise ValueError(
-                f"loss_denominator must be > 0 when tokens are kept, got {loss_denominator}"
-            )
-        loss_denominator = 1.0
-    loss = per_token.sum() / loss_denominator
+    loss = reduce_tokens(per_token, loss_denominator, n_kept)
 
     with torch.no_grad():
         clipped = kept & (pg_loss2 > pg_loss1)
@@ -149,6 +226,24 @@ def ppo_loss(
             n_imp_masked=int(imp_masked.sum().item()),
             entropy_sum=ent_sum,
         )
+
+
+LossOutput = PPOLossOutput  # what every objective returns (the stats are the same for all)
+
+
+def ppo_objective(inp: LossInput, cfg: LossSettings) -> PPOLossOutput:
+    """``algo.loss: ppo``: decoupled PPO (AReaL, Fu et al. 2025, arXiv 2505.24298, eq. 5; PPO:
+    Schulman et al. 2017, arXiv 1707.06347) on a `LossInput`: exactly ``ppo_loss``."""
+    return ppo_loss(
+        inp.logp,
+        inp.prox_logp,
+        inp.behav_logp,
+        inp.adv,
+        inp.mask,
+        cfg,
+        inp.loss_denominator,
+        entropy=inp.entropy,
+    )
 
 
 def loss_stat_sums(outs: Sequence[PPOLossOutput]) -> dict[str, float]:
