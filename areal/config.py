@@ -341,6 +341,10 @@ class DataSettings(_Part):
     )
 
 
+# the advantage each old (algo.adv_norm_std, algo.adv_batch_norm) pair meant
+_OLD_ADV_FLAGS = {(True, False): "grpo", (False, False): "dr_grpo", (False, True): "reinforce_pp"}
+
+
 class AlgoSettings(_Part):
     batch_size: int = Field(8, ge=1, description="B: tasks (prompts) per training step")
     group_size: int = Field(8, ge=1, description="G: samples per task (GRPO group)")
@@ -354,8 +358,38 @@ class AlgoSettings(_Part):
     behav_imp_weight_cap: float | None = Field(
         5.0, gt=1, description="mask tokens whose behaviour importance weight exceeds this"
     )
-    adv_norm_std: bool = Field(True, description="divide group-centred rewards by the group std")
-    adv_batch_norm: bool = Field(False, description="also normalise advantages over the batch")
+    loss: str = Field(
+        "ppo",
+        min_length=1,
+        description="the objective (areal.algo.registry): ppo (decoupled PPO, AReaL eq. 5), "
+        "gspo (GSPO: sequence-level ratio and clip), or pkg.mod:fn (your own `fn(inp: "
+        "LossInput, cfg) -> LossOutput | scalar tensor`)",
+    )
+    loss_norm: Literal["token", "sequence", "constant"] = Field(
+        "token",
+        description="what a minibatch's summed token losses are divided by: token (its loss "
+        "tokens, DAPO), sequence (each sample's mean, then the mean over samples, GRPO), "
+        "constant (samples x algo.loss_norm_tokens, Dr. GRPO)",
+    )
+    loss_norm_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="loss_norm=constant: tokens per sample in the constant; None = "
+        "rollout.max_new_tokens * rollout.max_turns (the generation budget)",
+    )
+    gspo_eps_clip_low: float = Field(
+        3e-4, gt=0, lt=1, description="loss=gspo: clip range of the sequence ratio below 1"
+    )
+    gspo_eps_clip_high: float = Field(
+        4e-4, gt=0, description="loss=gspo: clip range of the sequence ratio above 1"
+    )
+    advantage: str = Field(
+        "grpo",
+        min_length=1,
+        description="advantage estimator: grpo (group mean and std), dr_grpo (group mean only), "
+        "rloo (leave-one-out mean), reinforce_pp (group mean, then whitened over the batch), "
+        "or pkg.mod:fn (your own `fn(rewards [groups, G]) -> advantages [groups, G]`)",
+    )
     filter_zero_adv_groups: bool = Field(
         False, description="drop groups whose rewards are all equal (their slot is returned)"
     )
@@ -368,6 +402,45 @@ class AlgoSettings(_Part):
         "only bounds a lost or stuck task (a dead rollout's tasks come back after "
         "nats.ack_wait_s); 0 = never wait (the oldest B complete groups, whatever is open)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_advantage_flags(cls, data: Any) -> Any:
+        """`adv_norm_std` / `adv_batch_norm` became `algo.advantage`: still read where they
+        say what `advantage` says (an old run's config.json), refused with the fix otherwise."""
+        if not isinstance(data, dict) or not {"adv_norm_std", "adv_batch_norm"} & data.keys():
+            return data
+        data = dict(data)
+        flags = (bool(data.pop("adv_norm_std", True)), bool(data.pop("adv_batch_norm", False)))
+        meant = _OLD_ADV_FLAGS.get(flags)
+        if meant is None or meant != data.get("advantage", "grpo"):
+            fix = (
+                f"set algo.advantage: {meant}"
+                if meant is not None
+                else "use algo.advantage: reinforce_pp (group mean, batch whitening) or your "
+                "own pkg.mod:fn"
+            )
+            raise ValueError(
+                f"algo.adv_norm_std={flags[0]} / algo.adv_batch_norm={flags[1]} were replaced "
+                f"by algo.advantage: {fix} and remove them"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _registry_specs(self) -> AlgoSettings:
+        from areal.algo.names import ADVANTAGE_NAMES, LOSS_NAMES
+
+        for name, spec, builtin in (
+            ("loss", self.loss, LOSS_NAMES),
+            ("advantage", self.advantage, ADVANTAGE_NAMES),
+        ):
+            mod, sep, attr = spec.partition(":")
+            if spec not in builtin and not (sep and mod and attr):
+                raise ValueError(
+                    f"algo.{name}={spec!r}: use one of {', '.join(builtin)}, or "
+                    "'pkg.module:function' for your own"
+                )
+        return self
 
 
 class RolloutSettings(_Part):

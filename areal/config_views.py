@@ -96,6 +96,15 @@ class RewardView(_View):
         )
 
 
+def trainer_algo(s: RunSettings) -> AlgoSettings:
+    """`algo` as the trainer reads it: `loss_norm_tokens` resolved (the generation budget,
+    `rollout.max_new_tokens * rollout.max_turns`, when unset)."""
+    if s.algo.loss_norm_tokens is not None:
+        return s.algo
+    budget = s.rollout.max_new_tokens * s.rollout.max_turns
+    return s.algo.model_copy(update={"loss_norm_tokens": budget})
+
+
 class TrainerView(_View):
     seed: int
     out_dir: str
@@ -119,7 +128,7 @@ class TrainerView(_View):
             out_dir=s.out_dir,
             model=s.model,
             weights=s.weights,
-            algo=s.algo,
+            algo=trainer_algo(s),
             train=s.train,
             temperature=s.rollout.temperature or 1.0,
             mask_overlong=s.rollout.overlong == "mask",

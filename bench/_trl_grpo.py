@@ -71,7 +71,7 @@ def grpo_kwargs(s: Any, out_dir: Path) -> dict[str, Any]:
         beta=0.0,
         epsilon=a.eps_clip_low,
         epsilon_high=a.eps_clip_high,
-        scale_rewards="group" if a.adv_norm_std else "none",
+        scale_rewards="group" if a.advantage == "grpo" else "none",
         loss_type="dapo",
         mask_truncated_completions=s.rollout.overlong == "mask",
         # optimizer: AdamW (0.9, 0.999, 1e-8), constant lr, areal's clip and weight decay

@@ -23,7 +23,8 @@ Settings mapping (areal `RunSettings` -> `GRPOConfig`, in `_trl_grpo.grpo_kwargs
   `top_k=0`; stop ids = areal's `stop_token_ids` (set as the model's generation eos).
 - objective: `beta=0.0` (no KL term, no reference model; areal has none), `epsilon` /
   `epsilon_high` = `algo.eps_clip_low` / `eps_clip_high`, `scale_rewards="group"` for
-  `algo.adv_norm_std`, `loss_type="dapo"` (token sum / active tokens, as areal's loss).
+  `algo.advantage: grpo` ("none" for dr_grpo), `loss_type="dapo"` (token sum / active tokens,
+  as areal's loss).
 - optimizer: `optim="adamw_torch"`, `learning_rate = train.lr`, `lr_scheduler_type="constant"`
   (areal has no schedule; TRL's default is linear decay), `warmup_steps=0`,
   `weight_decay = train.weight_decay`, `max_grad_norm = train.grad_clip`, fp32

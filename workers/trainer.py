@@ -32,7 +32,6 @@ def make_engine(settings: RunSettings) -> Any:
     """The training engine of `settings` (every rank of a group builds the same one)."""
     import torch
 
-    from areal.algo.loss import PPOLossConfig
     from areal.engines.base import TrainEngineConfig
     from areal.engines.config import LoraSpec
     from areal.engines.factory import make_train_engine
@@ -48,12 +47,7 @@ def make_engine(settings: RunSettings) -> Any:
             lr=t.lr,
             weight_decay=t.weight_decay,
             grad_clip=t.grad_clip,
-            loss_cfg=PPOLossConfig(
-                eps_clip_low=a.eps_clip_low,
-                eps_clip_high=a.eps_clip_high,
-                behav_imp_weight_cap=a.behav_imp_weight_cap,
-                decoupled=a.decoupled,
-            ),
+            loss_cfg=a,  # the objective reads the algo settings as they are
             temperature=view.temperature,
             n_minibatches=t.n_minibatches,
             prox_logp=a.prox_logp,
@@ -105,6 +99,7 @@ def follow(settings: RunSettings, worker_id: str) -> int:
 def build(parts: TrainerParts, bus: Bus) -> TrainerService | RankZeroService:
     from pathlib import Path
 
+    from areal.algo.registry import resolve_advantage
     from areal.core.intake import IntakePolicy
     from areal.core.validate import Bounds
     from areal.services.trainer import TrainerOptions, TrainerService
@@ -123,8 +118,7 @@ def build(parts: TrainerParts, bus: Bus) -> TrainerService | RankZeroService:
         max_tokens_per_mb=t.max_tokens_per_mb,
         checkpoint_every=t.checkpoint_every,
         storage_pause_max_s=t.storage_pause_max_s,
-        adv_norm_std=a.adv_norm_std,
-        adv_batch_norm=a.adv_batch_norm,
+        advantage=resolve_advantage(a.advantage),
         weights_dtype=v.model.dtype,
         wire_dtype=v.weights.wire_dtype,
         weights_dir=v.weights_dir,

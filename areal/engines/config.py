@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from areal.algo.loss import PPOLossConfig
+from areal.algo.loss import LossSettings, PPOLossConfig
+from areal.algo.loss_norm import LOSS_NORMS
 
 __all__ = ["InferenceEngineConfig", "LoraSpec", "TrainEngineConfig"]
 
@@ -95,7 +96,9 @@ class TrainEngineConfig:
     weight_decay: float = 0.0  # AdamW decoupled weight decay, >= 0
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW moment decay rates, each in [0, 1)
     grad_clip: float = 1.0  # max global grad L2 norm per optimizer step; <= 0 = no clipping
-    loss_cfg: PPOLossConfig = field(default_factory=PPOLossConfig)  # clip eps, imp-weight cap
+    # the objective's settings, read as they are: the run's `AlgoSettings` (loss, loss_norm,
+    # clip eps, imp-weight cap, decoupled...) or a plain `PPOLossConfig`
+    loss_cfg: LossSettings = field(default_factory=PPOLossConfig)
     temperature: float = 1.0  # log-probs are log_softmax(logits / temperature), > 0
     n_minibatches: int = 1  # optimizer steps per train_step (contiguous splits), >= 1
     prox_logp: Literal["recompute", "loglinear"] = "recompute"  # how prox_logp is obtained
@@ -121,6 +124,9 @@ class TrainEngineConfig:
         _check_choice("prox_logp", self.prox_logp, ("recompute", "loglinear"))
         _check_choice("packing", self.packing, ("ffd", "fixed"))
         _check_choice("zero_stage", self.zero_stage, (1, 2, 3))
+        _check_choice("loss_cfg.loss_norm", self.loss_cfg.loss_norm, LOSS_NORMS)
+        if self.loss_cfg.loss_norm == "constant" and not self.loss_cfg.loss_norm_tokens:
+            raise ValueError("loss_cfg.loss_norm 'constant' needs loss_norm_tokens >= 1")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.weight_decay < 0:

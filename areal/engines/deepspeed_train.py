@@ -58,8 +58,8 @@ from areal.engines.torch_train import (
     check_seqs,
     export_state_dict,
     fill_prox_logp,
-    loss_tokens,
     microbatch_loss,
+    minibatch_normaliser,
     minibatch_prox_mode,
     split_contiguous,
 )
@@ -338,7 +338,7 @@ class DeepSpeedTrainEngine:
         ``rows`` [len(mbs), len(_ROW)]; returns (step applied, global grad norm)."""
         if not mbs:
             return False, 0.0
-        denom = loss_tokens(chunk)
+        denom = minibatch_normaliser(chunk, self.cfg.loss_cfg)
         n_pass = math.ceil(len(mbs) / self.world)
         dummy = [min((s for mb in mbs for s in mb), key=seq_len)]
         bad_loss = torch.zeros((), device=self.device)

@@ -62,8 +62,8 @@ from areal.engines.torch_train import (
     TorchTrainEngine,
     check_seqs,
     fill_prox_logp,
-    loss_tokens,
     microbatch_loss,
+    minibatch_normaliser,
     minibatch_prox_mode,
     split_contiguous,
 )
@@ -200,7 +200,7 @@ class FSDPTrainEngine:
         self, chunk: list[TrainSeq], max_tokens: int, totals: _StepTotals, prox_mode: str
     ) -> None:
         """One optimizer step over ``chunk`` (this rank's share of its micro-batches)."""
-        denom = loss_tokens(chunk)
+        denom = minibatch_normaliser(chunk, self.cfg.loss_cfg)
         mbs = [
             [chunk[i] for i in mb if len(chunk[i].output_ids) > 0]
             for mb in self.fwd.micro_batches(chunk, max_tokens)

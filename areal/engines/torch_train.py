@@ -31,15 +31,16 @@ from pathlib import Path
 import torch
 
 from areal.algo.loss import (
-    PPOLossConfig,
+    LossInput,
+    LossSettings,
     PPOLossOutput,
     loglinear_prox_logp,
-    ppo_loss,
     reduce_loss_stats,
 )
+from areal.algo.loss_norm import Normaliser
+from areal.algo.registry import compute_loss
 from areal.engines.base import TrainSeq
 from areal.engines.config import TrainEngineConfig
-from areal.engines.hf_io import save_hf_dir
 from areal.engines.lora import (
     AdapterMeta,
     adapter_of,
@@ -56,6 +57,7 @@ __all__ = [
     "export_state_dict",
     "fill_prox_logp",
     "microbatch_loss",
+    "minibatch_normaliser",
     "minibatch_prox_mode",
     "split_contiguous",
 ]
@@ -134,7 +136,7 @@ class TorchTrainEngine:
         params = [p for p in self.model.parameters() if p.requires_grad]
         for k, chunk in enumerate(chunks):
             prox_mode = minibatch_prox_mode(cfg, self.prox_logp, k)
-            denom = loss_tokens(chunk)
+            denom = minibatch_normaliser(chunk, cfg)
             self.optimizer.zero_grad(set_to_none=True)
             chunk_outs = []
             for mb in self.fwd.micro_batches(chunk, max_tokens_per_mb):
@@ -312,9 +314,15 @@ def loss_tokens(chunk: list[TrainSeq]) -> float:
     return float(sum(s.n_loss_tokens() for s in chunk))
 
 
+def minibatch_normaliser(chunk: list[TrainSeq], cfg: LossSettings) -> Normaliser:
+    """The loss normaliser of one minibatch (``algo.loss_norm``, `areal.algo.loss_norm`): the one
+    function every engine calls, once per minibatch, for all of its micro-batches."""
+    return Normaliser.of([s.n_loss_tokens() for s in chunk], cfg.loss_norm, cfg.loss_norm_tokens)
+
+
 def fill_prox_logp(
     chunks: list[list[TrainSeq]],
-    cfg: PPOLossConfig,
+    cfg: LossSettings,
     prox_mode: str,
     compute_logp: Callable[[list[TrainSeq], int], list[torch.Tensor]],
     max_tokens_per_mb: int,
@@ -333,7 +341,7 @@ def fill_prox_logp(
             s.prox_logp = lp
 
 
-def minibatch_prox_mode(cfg: PPOLossConfig, prox_mode: str, k: int) -> str:
+def minibatch_prox_mode(cfg: LossSettings, prox_mode: str, k: int) -> str:
     """The ``microbatch_loss`` prox mode of minibatch ``k`` (see ``fill_prox_logp``)."""
     return "current" if cfg.decoupled and prox_mode == "recompute" and k == 0 else prox_mode
 
@@ -341,13 +349,15 @@ def minibatch_prox_mode(cfg: PPOLossConfig, prox_mode: str, k: int) -> str:
 def microbatch_loss(
     fwd: SeqForward,
     seqs: list[TrainSeq],
-    cfg: PPOLossConfig,
+    cfg: LossSettings,
     prox_mode: str,
     version: int,
-    denom: float,
+    denom: float | Normaliser,
     device: torch.device,
 ) -> PPOLossOutput:
-    """Forward one micro-batch with grad and return its decoupled-PPO loss (not yet backwarded).
+    """Forward one micro-batch with grad and return its loss (not yet backwarded): the objective
+    ``cfg.loss`` (`areal.algo.registry`) on a `LossInput`, divided by the minibatch's
+    normaliser ``denom`` (``minibatch_normaliser``; a number: that token denominator).
 
     Per-token adv = the seq's adv on every output token; loss mask = each seq's `loss_mask`
     (model tokens; all output tokens when None), which keeps environment tokens out of the
@@ -369,6 +379,7 @@ def microbatch_loss(
             for s in seqs
         ]
     ).to(device)  # [N]
+    versions = torch.cat([s.versions for s in seqs]).to(device)  # [N]
     if not cfg.decoupled:
         prox = behav  # unused by the loss
     elif prox_mode == "current":  # the weights being trained, before their first update
@@ -376,9 +387,22 @@ def microbatch_loss(
     elif prox_mode == "recompute":
         prox = torch.cat([s.prox_logp for s in seqs]).to(device, torch.float32)
     else:
-        versions = torch.cat([s.versions for s in seqs]).to(device)
         prox = loglinear_prox_logp(behav, logp.detach(), versions, version)
-    return ppo_loss(logp, prox, behav, adv, mask, cfg, denom, entropy=entropy)
+    lengths = [len(s.output_ids) for s in seqs]
+    if isinstance(denom, Normaliser):
+        denom = denom.denominator([s.n_loss_tokens() for s in seqs], lengths)
+    inp = LossInput(
+        logp=logp,
+        prox_logp=prox,
+        behav_logp=behav,
+        adv=adv,
+        mask=mask,
+        seq_ids=torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lengths)).to(device),
+        versions=versions,
+        loss_denominator=denom,
+        entropy=entropy,
+    )
+    return compute_loss(inp, cfg)
 
 
 def split_contiguous(seqs: list[TrainSeq], n: int) -> list[list[TrainSeq]]:

@@ -5,9 +5,9 @@ process; a worker runs those of its role before its (slow) prepare.
 Invariants:
 - every failure is a `ConfigError` with one line that names the setting and the fix, so
   `areal run` exits 2 at once instead of a worker failing (and being restarted) minutes later;
-- nothing here imports torch, starts a process or writes a file: a check is cheap enough to
-  run in every worker too (`check_role`); only `check_run`'s dataset read is proportional to
-  the dataset.
+- nothing here starts a process or writes a file, and only `check_algo` of a user's
+  `pkg.mod:fn` imports torch: a check is cheap enough to run in every worker too
+  (`check_role`); only `check_run`'s dataset read is proportional to the dataset.
 """
 
 from __future__ import annotations
@@ -61,6 +61,22 @@ def check_workflow(s: RunSettings) -> None:
     from areal.workflows.registry import resolve_workflow_class
 
     resolve_workflow_class(s.rollout.workflow)
+
+
+def check_algo(s: RunSettings) -> None:
+    """`algo.loss` and `algo.advantage` name a built-in or a `pkg.mod:fn` that imports and takes
+    the documented arguments (`areal.algo.registry`; imports torch, as the trainer will)."""
+    from areal.algo.names import ADVANTAGE_NAMES, LOSS_NAMES
+
+    if s.algo.loss in LOSS_NAMES and s.algo.advantage in ADVANTAGE_NAMES:
+        return  # built-ins: the settings checked the names, and torch stays unimported
+    from areal.algo.registry import resolve_advantage, resolve_loss
+
+    try:
+        resolve_loss(s.algo.loss)
+        resolve_advantage(s.algo.advantage)
+    except ValueError as e:
+        raise ConfigError(f"config error: {e}") from None
 
 
 def check_data_source(s: RunSettings) -> None:
@@ -139,6 +155,7 @@ def check_run(s: RunSettings) -> None:
     check_data_source(s)
     check_reward(s)
     check_workflow(s)
+    check_algo(s)
     check_data(s)
 
 
@@ -149,7 +166,7 @@ ROLE_CHECKS: dict[str, tuple[Callable[[RunSettings], None], ...]] = {
     "controller": (check_data_source,),
     "rollout": (lambda s: check_extras(s, ("rollout.engine",)), check_workflow),
     "reward": (check_reward,),
-    "trainer": (lambda s: check_extras(s, ("train.engine",)),),
+    "trainer": (lambda s: check_extras(s, ("train.engine",)), check_algo),
 }
 
 

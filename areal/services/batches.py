@@ -1,4 +1,5 @@
-"""From a picked batch of groups to the engine's `TrainSeq`s, with GRPO advantages."""
+"""From a picked batch of groups to the engine's `TrainSeq`s, with their advantages
+(`algo.advantage`, GRPO by default)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import torch
 
 from areal.algo.advantages import grpo_advantages
+from areal.algo.registry import AdvantageFn, compute_advantages
 from areal.bus.client import Lease
 from areal.bus.codec import unpack
 from areal.core.intake import Group, loss_mask, token_versions
@@ -16,12 +18,12 @@ def to_train_seqs(
     batch: list[Group[Lease]],
     rewards: list[list[float]],
     *,
-    norm_std: bool,
-    batch_norm: bool,
+    advantage: AdvantageFn = grpo_advantages,
     mask_truncated: bool = False,
 ) -> list[TrainSeq]:
     """One `TrainSeq` per sample, groups in batch order and samples in index order;
-    `rewards` is `[B][G]` in the same order (`Intake.rewards`).
+    `rewards` is `[B][G]` in the same order (`Intake.rewards`); `advantage` maps them to
+    advantages `[B, G]` (`areal.algo.registry`).
 
     `mask_truncated` (`rollout.overlong: mask`, DAPO's overlong filtering): a sample cut at
     `max_new_tokens` keeps its reward in its group's baseline but gets advantage 0, so its tokens
@@ -29,9 +31,7 @@ def to_train_seqs(
 
     A multi-turn sample's environment tokens (`Sample.loss_mask` 0) get loss mask False: no
     gradient, and not counted in the token normaliser."""
-    adv = grpo_advantages(  # [B, G]
-        torch.tensor(rewards, dtype=torch.float32), norm_std=norm_std, batch_norm=batch_norm
-    )
+    adv = compute_advantages(advantage, torch.tensor(rewards, dtype=torch.float32))  # [B, G]
     seqs: list[TrainSeq] = []
     for gi, group in enumerate(batch):
         for si, scored in enumerate(group.ordered()):

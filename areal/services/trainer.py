@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from areal.algo.advantages import grpo_advantages
+from areal.algo.registry import AdvantageFn
 from areal.bus.blobs import WeightsBlob
 from areal.bus.client import Bus, Lease
 from areal.core.intake import Filed, Group, Intake, IntakePolicy, Retired
@@ -78,8 +80,8 @@ class TrainerOptions:
     # a write failing on a full or failing disk pauses training this long at most, then the
     # trainer stops (None: until the write lands)
     storage_pause_max_s: float | None = None
-    adv_norm_std: bool = True
-    adv_batch_norm: bool = False
+    # rewards [n_groups, G] -> advantages (`algo.advantage`, resolved by `areal.algo.registry`)
+    advantage: AdvantageFn = grpo_advantages
     weights_dtype: str = "float32"  # what the engine holds (`model.dtype`)
     wire_dtype: str = "auto"  # floating weights on the wire (`weights.wire_dtype`; auto: as held)
     weights_dir: str | None = None  # None: object store; else a shared dir (file:// URIs)
@@ -243,8 +245,7 @@ class TrainerService:
         seqs = to_train_seqs(
             batch,
             rewards,
-            norm_std=o.adv_norm_std,
-            batch_norm=o.adv_batch_norm,
+            advantage=o.advantage,
             mask_truncated=o.mask_overlong,
         )
         trained_on = self.engine.version

@@ -43,7 +43,7 @@ def wire_seqs(prompts, episodes) -> list[TrainSeq]:
     for i, (p, ep) in enumerate(zip(prompts, episodes, strict=True)):
         s = episode_sample(p, ep, sample_idx=i, group_size=len(prompts))
         group.samples[i] = ScoredSample(sample=decode(encode(s), Sample), reward=REWARDS[i])
-    return to_train_seqs([group], [REWARDS], norm_std=True, batch_norm=False)
+    return to_train_seqs([group], [REWARDS])  # GRPO advantages (the default)
 
 
 @pytest.fixture(scope="module")
