@@ -299,6 +299,11 @@ def _project_leftovers(project: str) -> tuple[list[str], list[str]]:
     return out[0], out[1]
 
 
+# `up --exit-code-from` implies `--abort-on-container-exit`: the one-shot services must not be
+# attached, or the exit of the first ends the stack (docs/deploy/compose.md)
+ONE_SHOT = ("--no-attach", "setup", "--no-attach", "declare")
+
+
 def _assert_exact(s: dict, steps: int) -> None:
     assert s["steps"] == steps and s["in_flight"] == 0 and s["dlq"] == 0, s
     assert s["admitted"] == s["trained"] + s["dropped_stale"] + s["filtered"] + s["rejected"], s
@@ -308,8 +313,9 @@ def _assert_exact(s: dict, steps: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_compose_up_scaled_run_finishes_with_exact_accounting():
-    """Build, `up --scale rollout=2 --scale reward=2 --no-attach setup --exit-code-from trainer`
-    a 10-step run (`--no-attach setup`: else compose 2.26 aborts the stack when `setup` exits),
+    """Build, `up --scale rollout=2 --scale reward=2 --no-attach setup --no-attach declare
+    --exit-code-from trainer` a 10-step run (the one-shot services not attached: else compose
+    2.26 aborts the stack when the first of them exits, and hangs),
     then: the same run again is refused by `setup` naming the fix; after `down -v` a new run id
     runs. TORCH_INDEX_URL (build arg) and AREAL_COMPOSE_OVERRIDE (extra -f file) pass through."""
     if reason := _docker_answers():
@@ -324,7 +330,7 @@ def test_compose_up_scaled_run_finishes_with_exact_accounting():
 
     def up(run_id: str, *extra: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [*dc, "up", *extra, "--no-attach", "setup", "--exit-code-from", "trainer"],
+            [*dc, "up", *extra, *ONE_SHOT, "--exit-code-from", "trainer"],
             env={**env, "AREAL_RUN_ID": run_id},
             capture_output=True,
             text=True,
@@ -401,7 +407,9 @@ def test_compose_cluster_survives_a_node_kill_and_refuses_a_second_trainer():
                 "rollout=2",
                 # not attached: the exit of a node must not end the stack (compose's
                 # --abort-on-container-exit, implied by --exit-code-from, watches attached ones)
-                *("--no-attach", "setup", "--no-attach", "nats"),
+                *ONE_SHOT,
+                "--no-attach",
+                "nats",
                 *("--no-attach", "nats-2", "--no-attach", "nats-3"),
                 "--exit-code-from",
                 "trainer",
