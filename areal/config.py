@@ -383,6 +383,18 @@ class AlgoSettings(_Part):
     gspo_eps_clip_high: float = Field(
         4e-4, gt=0, description="loss=gspo: clip range of the sequence ratio above 1"
     )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="weight of the KL to a frozen reference model (the initial weights) added "
+        "to each loss token's loss; 0 = off, and no reference model is loaded (train.engine "
+        "torch only)",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3",
+        description="estimator of KL(policy || reference) per token, log_r = ref - logp: k1 = "
+        "-log_r, k2 = log_r^2 / 2, k3 = exp(log_r) - 1 - log_r (Schulman; GRPO's)",
+    )
     advantage: str = Field(
         "grpo",
         min_length=1,
@@ -857,16 +869,17 @@ class RunSettings(BaseSettings):
                 parse_cpu_list(cpus)
             except ValueError as e:
                 raise ValueError(f"cpu_affinity.{role}: {e}") from None
+        if self.algo.kl_coef > 0 and self.train.engine != "torch":
+            raise ValueError(
+                f"algo.kl_coef={self.algo.kl_coef} needs train.engine=torch (the frozen "
+                f"reference model lives on the torch engine), not {self.train.engine}: set "
+                "train.engine=torch or algo.kl_coef=0"
+            )
         n_seqs = self.algo.batch_size * self.algo.group_size
         if self.train.n_minibatches > n_seqs:
             raise ValueError(
                 f"train.n_minibatches={self.train.n_minibatches} exceeds the "
                 f"{n_seqs} samples of a step (algo.batch_size * algo.group_size)"
-            )
-        if self.train.lora is not None and self.rollout.engine == "vllm":
-            raise ValueError(
-                "train.lora with rollout.engine=vllm: the vLLM engine does not load LoRA "
-                "adapters yet; use rollout.engine=torch, or full weights (no train.lora)"
             )
         if self.model.path is not None and not Path(self.model.path).is_dir():
             raise ValueError(

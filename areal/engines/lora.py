@@ -82,9 +82,10 @@ class AdapterMeta:
 
 def base_fingerprint(state_dict: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 of the base model's names, shapes and the first row of each floating tensor in
-    bfloat16 (the same for an fp32 and a bf16 load of one model dir; cheap: one row each)."""
+    bfloat16 (the same for an fp32 and a bf16 load of one model dir; cheap: one row each).
+    ``lm_head.weight`` is left out: a model dir leaves a tied head out, a loaded model has it."""
     h = hashlib.sha256()
-    for name in sorted(state_dict):
+    for name in sorted(k for k in state_dict if k != "lm_head.weight"):
         t = state_dict[name]
         h.update(f"{name}:{list(t.shape)};".encode())
         if t.is_floating_point() and t.numel():

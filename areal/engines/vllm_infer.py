@@ -22,6 +22,10 @@ Invariants (the same contract as ``TorchInferenceEngine``):
   the old weights. Only a reload that broke off (the RPC or the relabel) makes ``generate``
   refuse until a good ``load_weights``: the model may hold a mix of two versions. A write that
   fails (a full disk) never touched the model: generation goes on under the old version.
+- A LoRA adapter (`areal.engines.lora`) is checked against the model dir's weights (read
+  once, on the first adapter, and kept on the host), merged into them (``W0 + s B A``, so
+  adapters never stack) and reloaded as full weights through the same switch: the mid-sample
+  interruption and the per-token versions are those of full weights.
 - Continuous admission as in the torch engine: at most ``max_batch_size`` requests are in vLLM
   at once; ``poll_requests`` is asked while fewer are in flight or waiting; each sample is
   reported through ``on_finished`` as soon as it finishes. Prefix caching is on.
@@ -59,11 +63,17 @@ from areal.engines.base import (
     WeightUpdate,
 )
 from areal.engines.config import InferenceEngineConfig
-from areal.engines.lora import ADAPTER_KEY
+from areal.engines.lora import (
+    ADAPTER_KEY,
+    base_fingerprint,
+    check_adapter,
+    is_adapter,
+    merged_state_dict,
+    meta_of,
+)
 from areal.engines.torch_infer import resolve_dtype
 from areal.engines.weights_check import (
     TensorSpec,
-    WeightsMismatch,
     check_state_dict,
     spec_of_hf_dir,
 )
@@ -291,12 +301,11 @@ class VLLMInferenceEngine:
     def check_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Raise `WeightsMismatch` unless `state_dict` fits the model whole (names, shapes,
         dtypes, finite values: `areal.engines.weights_check`); touches no parameter."""
-        if ADAPTER_KEY in state_dict:
-            raise WeightsMismatch(
-                f"adapter v{version}: the vllm engine does not load LoRA adapters yet (nothing "
-                "was loaded); use rollout.engine=torch with train.lora"
-            )
         spec, optional = self._spec
+        if is_adapter(state_dict):
+            _, fingerprint = self._base_weights()
+            check_adapter(spec, fingerprint, state_dict, what=f"adapter v{version}")
+            return
         check_state_dict(spec, state_dict, optional=optional, what=f"weights v{version}")
 
     def load_weights(self, update: WeightUpdate) -> None:
@@ -305,15 +314,39 @@ class VLLMInferenceEngine:
         with self._lock:
             self._loop.run(self._switch(update))
 
+    def _base_weights(self) -> tuple[dict[str, torch.Tensor], str]:
+        """The model dir's weights on the host and their `base_fingerprint`, read on the first
+        adapter (a host copy of the model from then on): the W0 adapters are merged into."""
+        if getattr(self, "_base", None) is None:
+            from safetensors.torch import load_file
+
+            base: dict[str, torch.Tensor] = {}
+            for path in sorted(Path(self.cfg.model_path).glob("*.safetensors")):
+                base.update(load_file(path))
+            self._base = (base, base_fingerprint(base))
+        return self._base
+
+    def _full_weights(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full weights to reload: `state_dict` itself, or for an adapter the base with it
+        merged in (W0 + s B A, from the model dir's W0: adapters never stack)."""
+        if not is_adapter(state_dict):
+            return state_dict
+        base, _ = self._base_weights()
+        m = meta_of(state_dict)
+        lora = {k: v for k, v in state_dict.items() if k != ADAPTER_KEY}
+        return merged_state_dict({**base, **lora}, m.alpha / m.r)
+
     async def _switch(self, update: WeightUpdate) -> None:
-        """Pause (keep, cache cleared), reload, relabel the version, resume."""
+        """Pause (keep, cache cleared), reload, relabel the version, resume. An adapter is
+        merged into the base first, outside the pause, and reloaded as full weights."""
+        state_dict = await asyncio.to_thread(self._full_weights, update.state_dict)
         t0 = time.perf_counter()
         await self.llm.pause_generation(mode="keep", clear_cache=True)
         t1 = time.perf_counter()
         try:
-            tmp = _shm_dir(self._nbytes(update.state_dict))
+            tmp = _shm_dir(self._nbytes(state_dict))
             with tempfile.TemporaryDirectory(prefix="areal-vllm-", dir=tmp) as d:
-                await asyncio.to_thread(self._write_weights, update.state_dict, d)
+                await asyncio.to_thread(self._write_weights, state_dict, d)
                 self._reload_failed = True  # from the first parameter written to the relabel
                 await self.llm.collective_rpc("areal_reload_weights", args=(d,))
             await self.llm.update_weight_version(str(update.version))

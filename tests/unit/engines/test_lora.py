@@ -210,10 +210,12 @@ def test_train_lora_settings_reach_the_engine_config_and_deepspeed_is_refused():
         inject_lora(tiny_model(0), LoraSpec(target_modules=("nope_proj",)))
 
 
-def test_train_lora_with_the_vllm_rollout_engine_is_refused_at_config_time(tmp_path):
-    from areal.config import ConfigError, load_settings
+def test_train_lora_goes_with_either_rollout_engine(tmp_path):
+    from areal.config import load_settings
 
     (tmp_path / "config.json").write_text("{}")
-    sets = [f"model.path={tmp_path}", "rollout.engine=vllm"]
-    with pytest.raises(ConfigError, match="does not load LoRA"):
-        load_settings(None, [*sets, "train.lora.r=8"])
+    for engine in ("torch", "vllm"):
+        s = load_settings(
+            None, [f"model.path={tmp_path}", f"rollout.engine={engine}", "train.lora.r=8"]
+        )
+        assert s.train.lora is not None and s.train.lora.r == 8

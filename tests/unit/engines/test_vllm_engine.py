@@ -295,3 +295,58 @@ def test_untied_llama_switch_mid_sample(tmp_path):
     eng.close()  # a second close does nothing; a closed engine refuses work at once
     with pytest.raises(RuntimeError, match="closed"):
         eng.generate([GenRequest("x", [1, 2])], params=SamplingParams(max_new_tokens=2))
+
+
+def _adapter(model, seed: int) -> dict[str, torch.Tensor]:
+    """A random r-4 adapter on q/v_proj of `model`, in the wire form a LoRA trainer publishes."""
+    from areal.engines.lora import ADAPTER_KEY, AdapterMeta, base_fingerprint
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, w in model.state_dict().items():
+        if name.endswith(("q_proj.weight", "v_proj.weight")):
+            m = name.removesuffix(".weight")
+            out[f"{m}.lora_A.weight"] = torch.randn(4, w.shape[1], generator=g) * 0.3
+            out[f"{m}.lora_B.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.3
+    meta = AdapterMeta(
+        base=base_fingerprint(model.state_dict()),
+        r=4,
+        alpha=8.0,
+        target_modules=("q_proj", "v_proj"),
+    )
+    out[ADAPTER_KEY] = meta.to_tensor()
+    return out
+
+
+def _merged(adapter: dict[str, torch.Tensor]):
+    """Model A with `adapter` merged in: the reference forward."""
+    from areal.engines.lora import ADAPTER_KEY, merged_state_dict
+
+    model = _tiny(0)
+    lora = {k: v for k, v in adapter.items() if k != ADAPTER_KEY}
+    model.load_state_dict(merged_state_dict({**model.state_dict(), **lora}, 8.0 / 4))
+    return model
+
+
+def test_a_lora_adapter_switch_mid_sample_matches_a_forward_under_it(on_a, models):
+    a, b, _ = models
+    first, second = _adapter(a, seed=7), _adapter(a, seed=8)
+    v0 = on_a.version
+    reqs, outs = _mid_sample_run(on_a, WeightUpdate(v0 + 1, first))
+    ref = _merged(first)
+    for r, o in zip(reqs[1:], outs[1:], strict=True):
+        old = torch.tensor([v == v0 for v in o.versions])
+        assert old.any() and (~old).any()
+        assert not old[(~old).nonzero()[0, 0] :].any()  # old tokens first, then new
+        assert _max_err(a, r.prompt_ids, o, 1.0, mask=old) < ATOL
+        assert _max_err(ref, r.prompt_ids, o, 1.0, mask=~old) < ATOL
+        assert _max_err(a, r.prompt_ids, o, 1.0, mask=~old) > 1e-2  # the adapter really is on
+    # the next adapter replaces the first (merged into the base, never into the merged weights)
+    on_a.load_weights(WeightUpdate(on_a.version + 1, second))
+    prompts = _prompts(2, seed=5)
+    reqs = [GenRequest(key=f"l{i}", prompt_ids=p) for i, p in enumerate(prompts)]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0)
+    for p, o in zip(prompts, on_a.generate(reqs, params=params), strict=True):
+        assert _max_err(_merged(second), p, o, 1.0) < ATOL
+    with pytest.raises(WeightsMismatch, match="another base model"):
+        on_a.load_weights(WeightUpdate(on_a.version + 1, _adapter(b, seed=7)))
