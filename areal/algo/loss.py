@@ -74,6 +74,10 @@ class LossSettings(Protocol):
     def gspo_eps_clip_low(self) -> float: ...
     @property
     def gspo_eps_clip_high(self) -> float: ...
+    @property
+    def kl_coef(self) -> float: ...
+    @property
+    def kl_estimator(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,8 @@ class PPOLossConfig:
     loss_norm_tokens: int | None = None  # constant: tokens per sequence (Dr. GRPO's max length)
     gspo_eps_clip_low: float = 3e-4  # GSPO's sequence-ratio clip range below 1
     gspo_eps_clip_high: float = 4e-4  # and above 1
+    kl_coef: float = 0.0  # KL to the frozen reference per loss token (`areal.algo.kl`); 0 = off
+    kl_estimator: str = "k3"  # k1 | k2 | k3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +117,7 @@ class LossInput:
     versions: torch.Tensor  # [N] int64, policy version that generated each token
     loss_denominator: float | torch.Tensor  # number, or [N] per token (> 0 on loss tokens)
     entropy: torch.Tensor | None = None  # [N] float, current policy's entropy (no grad, stats)
+    ref_logp: torch.Tensor | None = None  # [N] float, frozen reference policy (kl_coef > 0)
 
 
 def reduce_tokens(
@@ -144,6 +151,7 @@ class PPOLossOutput:
     imp_weight_max: float  # max of w_t over masked tokens (0 when none)
     n_imp_masked: int  # tokens dropped because w_t > cap
     entropy_sum: float = 0.0  # sum over masked tokens of the policy entropy (0 if not given), nats
+    kl_ref_sum: float | None = None  # sum over masked tokens of the KL to the reference; None: off
 
 
 def ppo_loss(
@@ -258,14 +266,19 @@ def loss_stat_sums(outs: Sequence[PPOLossOutput]) -> dict[str, float]:
         "imp_weight_sum": float(sum(o.imp_weight_sum for o in outs)),
         "n_imp_masked": float(sum(o.n_imp_masked for o in outs)),
         "entropy_sum": float(sum(o.entropy_sum for o in outs)),
-    }
+    } | (
+        {"kl_ref_sum": float(sum(o.kl_ref_sum or 0.0 for o in outs))}
+        if any(o.kl_ref_sum is not None for o in outs)
+        else {}
+    )
 
 
 def stats_from_sums(sums: dict[str, float], imp_weight_max: float) -> dict[str, float]:
     """Step stats from ``loss_stat_sums`` totals; every value finite, 0 when there is no token.
 
-    ``clipfrac`` and ``approx_kl`` are per kept token; ``entropy`` and the imp-weight stats are
-    per masked (loss) token.
+    ``clipfrac`` and ``approx_kl`` are per kept token; ``entropy``, ``kl_ref`` (the KL estimate
+    to the frozen reference, only when ``kl_coef`` > 0) and the imp-weight stats are per masked
+    (loss) token.
     """
 
     def frac(num: float, den: float) -> float:
@@ -281,7 +294,7 @@ def stats_from_sums(sums: dict[str, float], imp_weight_max: float) -> dict[str, 
         "behav_imp_weight_max": float(imp_weight_max),
         "behav_imp_weight_masked_frac": frac(sums["n_imp_masked"], n_tokens),
         "n_tokens": n_tokens,
-    }
+    } | ({"kl_ref": frac(sums["kl_ref_sum"], n_tokens)} if "kl_ref_sum" in sums else {})
 
 
 def reduce_loss_stats(outs: Sequence[PPOLossOutput]) -> dict[str, float]:

@@ -39,7 +39,8 @@ from areal.algo.advantages import (
     rloo_advantages,
 )
 from areal.algo.gspo import gspo_loss
-from areal.algo.loss import LossInput, LossOutput, LossSettings, ppo_objective
+from areal.algo.kl import kl_per_token
+from areal.algo.loss import LossInput, LossOutput, LossSettings, ppo_objective, reduce_tokens
 from areal.user_code import CWD_RULE, import_user_module
 
 __all__ = [
@@ -147,16 +148,24 @@ def plain_output(inp: LossInput, cfg: LossSettings, loss: torch.Tensor) -> LossO
 
 
 def compute_loss(inp: LossInput, cfg: LossSettings) -> LossOutput:
-    """The objective ``cfg.loss`` on one micro-batch (what the engines call)."""
+    """The objective ``cfg.loss`` on one micro-batch (what the engines call), plus
+    ``cfg.kl_coef`` times the KL to the reference (`areal.algo.kl`) under the same normaliser."""
     out = resolve_loss(cfg.loss)(inp, cfg)
-    if isinstance(out, LossOutput):
-        return out
     if isinstance(out, torch.Tensor) and out.dim() == 0:
-        return plain_output(inp, cfg, out)
-    raise TypeError(
-        f"algo.loss={cfg.loss!r} returned {type(out).__name__}; return a LossOutput or a "
-        "scalar tensor"
-    )
+        out = plain_output(inp, cfg, out)
+    if not isinstance(out, LossOutput):
+        raise TypeError(
+            f"algo.loss={cfg.loss!r} returned {type(out).__name__}; return a LossOutput or a "
+            "scalar tensor"
+        )
+    if cfg.kl_coef > 0:
+        if inp.ref_logp is None:
+            raise ValueError("kl_coef > 0 needs the reference log-probs (LossInput.ref_logp)")
+        kl = kl_per_token(inp.logp, inp.ref_logp, inp.mask, cfg.kl_estimator)  # [N]
+        n = int(inp.mask.bool().sum().item())
+        out.loss = out.loss + cfg.kl_coef * reduce_tokens(kl, inp.loss_denominator, n)
+        out.kl_ref_sum = float(kl.detach().sum().item())
+    return out
 
 
 def compute_advantages(fn: AdvantageFn, rewards: torch.Tensor, spec: str = "") -> torch.Tensor:

@@ -111,6 +111,24 @@ class TorchTrainEngine:
             varlen=varlen,
             share_prompts=cfg.share_prompts,
         )
+        # algo.kl_coef > 0: a frozen reference policy, the initial weights, forwarded exactly as
+        # the policy is (same SeqForward), so its KL is exactly 0 before the first update
+        self.ref_fwd: SeqForward | None = None
+        if cfg.loss_cfg.kl_coef > 0:
+            ref, _ = load_causal_lm(
+                cfg.model_path, resolve_dtype(cfg.dtype), cfg.attn_implementation
+            )
+            ref = ref.to(self.device).eval().requires_grad_(False)
+            self.ref_fwd = SeqForward(
+                ref,
+                dtype=ref.dtype,
+                device=self.device,
+                temperature=cfg.temperature,
+                packing=cfg.packing,
+                fixed_mb_size=cfg.fixed_mb_size,
+                varlen=varlen,
+                share_prompts=cfg.share_prompts,
+            )
 
     # ---------------------------------------------------------------- protocol
     def compute_logp(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> list[torch.Tensor]:
@@ -147,7 +165,14 @@ class TorchTrainEngine:
                 tokens += sum(seq_len(s) for s in mb_seqs)
                 padded_tokens += self.fwd.padded_tokens(mb_seqs)
                 out = microbatch_loss(
-                    self.fwd, mb_seqs, cfg, prox_mode, self.version, denom, self.device
+                    self.fwd,
+                    mb_seqs,
+                    cfg,
+                    prox_mode,
+                    self.version,
+                    denom,
+                    self.device,
+                    ref_fwd=self.ref_fwd,
                 )
                 out.loss.backward()
                 chunk_outs.append(out)
@@ -354,6 +379,7 @@ def microbatch_loss(
     version: int,
     denom: float | Normaliser,
     device: torch.device,
+    ref_fwd: SeqForward | None = None,
 ) -> PPOLossOutput:
     """Forward one micro-batch with grad and return its loss (not yet backwarded): the objective
     ``cfg.loss`` (`areal.algo.registry`) on a `LossInput`, divided by the minibatch's
@@ -365,7 +391,8 @@ def microbatch_loss(
     stats (no grad). `prox_mode`:
     "recompute" takes each seq's `prox_logp`; "current" the detached log-probs of this very
     forward (the proximal policy when no update happened yet this step); "loglinear"
-    interpolates between behaviour and current log-probs by version.
+    interpolates between behaviour and current log-probs by version. `ref_fwd` (``kl_coef`` >
+    0): the frozen reference, whose log-probs of the same micro-batch go into the loss's KL.
     """
     logps, ents = fwd.logp_and_entropy(seqs)
     logp, entropy = torch.cat(logps), torch.cat(ents)  # [N], [N]
@@ -401,8 +428,16 @@ def microbatch_loss(
         versions=versions,
         loss_denominator=denom,
         entropy=entropy,
+        ref_logp=ref_logp(ref_fwd, seqs) if ref_fwd is not None else None,
     )
     return compute_loss(inp, cfg)
+
+
+def ref_logp(ref_fwd: SeqForward, seqs: list[TrainSeq]) -> torch.Tensor:
+    """``[N]`` log-probs of the reference policy, by the very code path of the policy's loss
+    forward (``logp_and_entropy``), so equal weights give bitwise equal log-probs."""
+    with torch.no_grad():
+        return torch.cat(ref_fwd.logp_and_entropy(seqs)[0])
 
 
 def split_contiguous(seqs: list[TrainSeq], n: int) -> list[list[TrainSeq]]:

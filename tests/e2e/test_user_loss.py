@@ -1,7 +1,7 @@
 """A user's objective and advantage end to end: `algo.loss: pkg.mod:fn` written to a temp dir
-trains through the real `areal run` on the quickstart config (with RLOO advantages and Dr.
-GRPO's constant normaliser), keeping every invariant; a `pkg.mod:fn` that does not exist fails
-at start with one line, before anything is written."""
+trains through the real `areal run` on the quickstart config (with RLOO advantages, Dr. GRPO's
+constant normaliser and a KL term to the frozen initial weights), keeping every invariant; a
+`pkg.mod:fn` that does not exist fails at start with one line, before anything is written."""
 
 from __future__ import annotations
 
@@ -55,6 +55,8 @@ def test_a_user_loss_runs_end_to_end(tmp_path: Path) -> None:
         "algo.loss=user_rl_loss:reinforce",
         "algo.advantage=rloo",
         "algo.loss_norm=constant",
+        "algo.kl_coef=0.05",  # + k3 KL to the frozen initial weights, after the user's loss
+        "train.n_minibatches=1",  # so step 1 is all on the initial weights: KL exactly 0
         "train.total_steps=4",
         "train.checkpoint_every=1",
     )
@@ -64,8 +66,11 @@ def test_a_user_loss_runs_end_to_end(tmp_path: Path) -> None:
     check_invariants(out, eta=1, B=16)
     resolved = json.loads((out / "config.json").read_text())["algo"]
     assert (resolved["loss"], resolved["advantage"]) == ("user_rl_loss:reinforce", "rloo")
-    for r in records(out):
+    recs = records(out)
+    for r in recs:
         assert r["clipfrac"] == 0.0  # a bare tensor: the generic stats, nothing clipped
+    assert recs[0]["kl_ref"] == 0.0  # before the first update the policy is the reference
+    assert all(r["kl_ref"] > 0.0 for r in recs[1:])  # k3 >= 0, and the policy has moved
 
 
 def test_a_user_function_that_does_not_exist_fails_at_start_in_one_line(tmp_path: Path) -> None:

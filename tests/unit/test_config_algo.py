@@ -32,6 +32,7 @@ def test_defaults_are_todays_objective() -> None:
     a = load_settings(None, []).algo
     assert (a.loss, a.loss_norm, a.advantage) == ("ppo", "token", "grpo")
     assert (a.gspo_eps_clip_low, a.gspo_eps_clip_high) == (3e-4, 4e-4)
+    assert (a.kl_coef, a.kl_estimator) == (0.0, "k3")  # off: no reference model
 
 
 @pytest.mark.parametrize(
@@ -66,6 +67,11 @@ def test_old_flags_that_agree_with_advantage_still_load() -> None:
         (["algo.advantage=gae"], "algo.advantage='gae': use one of grpo, dr_grpo, rloo"),
         (["algo.loss_norm=tokens"], "algo.loss_norm: Input should be"),
         (["algo.gspo_eps_clip_low=0"], "algo.gspo_eps_clip_low"),
+        (["algo.kl_estimator=k4"], "algo.kl_estimator: Input should be"),
+        (
+            ["algo.kl_coef=0.1", "train.engine=fsdp"],
+            "algo.kl_coef=0.1 needs train.engine=torch",
+        ),
     ],
 )
 def test_bad_names_fail_at_load(sets, line) -> None:
