@@ -113,10 +113,23 @@ def inject_lora(model: torch.nn.Module, spec: LoraSpec) -> None:
         target_modules=list(spec.target_modules),
         bias="none",
     )
+    # a tied weight (the head of a tied-embedding model) is listed once, under its first name
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    tied -= {n for n, _ in model.named_parameters()}
+    if any(n.removesuffix(".weight").rsplit(".", 1)[-1] in spec.target_modules for n in tied):
+        raise ValueError(
+            f"lora.target_modules {list(spec.target_modules)} name a layer whose weight is tied "
+            "to another (the head of a tied-embedding model): adapt the decoder's linear layers"
+        )
     inject_adapter_in_model(cfg, model, adapter_name=_PEFT_NAME)
     n = 0
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
+        if ".lora_" in name and ".lora_A." not in name and ".lora_B." not in name:
+            raise ValueError(
+                f"lora.target_modules {list(spec.target_modules)} adapt {name.split('.lora_')[0]}, "
+                "not a linear layer (embeddings are not supported): adapt the linear layers"
+            )
         n += ".lora_" in name
     if n == 0:
         raise ValueError(

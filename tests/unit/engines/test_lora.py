@@ -208,6 +208,10 @@ def test_train_lora_settings_reach_the_engine_config_and_deepspeed_is_refused():
         TrainSettings(lora={"r": 0})
     with pytest.raises(ValueError, match="nope_proj"):
         inject_lora(tiny_model(0), LoraSpec(target_modules=("nope_proj",)))
+    with pytest.raises(ValueError, match="tied"):  # merging into it would change the embedding
+        inject_lora(tiny_model(0), LoraSpec(target_modules=("q_proj", "lm_head")))
+    with pytest.raises(ValueError, match="not a linear layer"):
+        inject_lora(tiny_model(0), LoraSpec(target_modules=("embed_tokens",)))
 
 
 def test_train_lora_goes_with_either_rollout_engine(tmp_path):
