@@ -9,7 +9,13 @@ import torch
 
 from areal.engines.base import GenRequest, SamplingParams, WeightUpdate
 from areal.engines.config import LoraSpec
-from areal.engines.lora import ADAPTER_KEY, inject_lora, merged_state_dict, meta_of
+from areal.engines.lora import (
+    ADAPTER_KEY,
+    inject_lora,
+    merged_state_dict,
+    meta_of,
+    set_lora_dropout,
+)
 from areal.engines.weights_check import WeightsMismatch
 from tests.unit.engines.helpers import (
     full_logp,
@@ -223,3 +229,21 @@ def test_train_lora_goes_with_either_rollout_engine(tmp_path):
             None, [f"model.path={tmp_path}", f"rollout.engine={engine}", "train.lora.r=8"]
         )
         assert s.train.lora is not None and s.train.lora.r == 8
+
+
+def test_lora_dropout_acts_in_the_loss_forward_only(model_dir):
+    eng = train_engine(model_dir, lr=1e-2, lora=LoraSpec(r=4, dropout=0.5))
+    drops = [m for n, m in eng.model.named_modules() if n.endswith("lora_dropout.default")]
+    assert drops and not any(m.training for m in drops)
+    seqs = make_seqs(seed=4)
+    first = eng.compute_logp(seqs, 64)
+    eng.train_step(make_seqs(seed=3), 64)
+    assert not any(m.training for m in drops)  # off again after the step
+    again, twice = eng.compute_logp(seqs, 64), eng.compute_logp(seqs, 64)
+    for a, b in zip(again, twice, strict=True):
+        assert torch.equal(a, b)  # no dropout noise in compute_logp
+    assert len(first) == len(again)
+    set_lora_dropout(eng.model, True)  # what train_step turns on around its loss forwards
+    noisy = [eng.fwd.logp(seqs) for _ in range(2)]
+    set_lora_dropout(eng.model, False)
+    assert not all(torch.equal(a, b) for a, b in zip(*noisy, strict=True))
