@@ -359,7 +359,8 @@ def test_compose_up_scaled_run_finishes_with_exact_accounting():
         ).stdout
         scored = _scored_by_replica(rewards)  # each reward replica logs its share at exit
         assert len(scored) == 2 and all(c["groups"] > 0 for c in scored.values()), scored
-        assert sum(c["groups"] for c in scored.values()) >= s["trained"] // 8, scored  # G = 8
+        # every trained task's group was scored once by one of them (a redelivery may add)
+        assert sum(c["groups"] for c in scored.values()) >= s["trained"], scored
         again = up(runs[0])  # the same, finished run: setup refuses it, naming the fix
         assert again.returncode != 0
         assert 'service "setup" didn\'t complete successfully: exit 2' in again.stderr
