@@ -13,6 +13,7 @@ import importlib
 import os
 import sys
 from types import ModuleType
+from typing import Any
 
 CWD_RULE = "installed packages and PYTHONPATH first, then the current working directory"
 
@@ -32,3 +33,31 @@ def import_user_module(module_name: str) -> ModuleType:
         sys.path.append(cwd)
         importlib.invalidate_caches()
         return importlib.import_module(module_name)
+
+
+def load_user_attr(module_name: str, attr: str, what: str) -> Any:
+    """The object `module_name:attr` names (`attr` may be dotted), imported by `CWD_RULE`; any
+    failure is one `ValueError` line starting with `what` (e.g. "reward spec 'm:f'") that names
+    the fix: a module not found, a module that fails to import (its own bug), a missing
+    attribute."""
+    try:
+        obj: Any = import_user_module(module_name)
+    except ImportError as e:
+        raise ValueError(
+            f"{what}: cannot import module {module_name!r} ({e}); looked in the {CWD_RULE} "
+            f"({os.getcwd()}): run from the directory that holds it, or add its directory to "
+            "PYTHONPATH"
+        ) from None
+    except Exception as e:  # the module itself fails to import: its own bug, in one line
+        raise ValueError(
+            f"{what}: importing module {module_name!r} raised {type(e).__name__}: {e}; fix "
+            "that module"
+        ) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(
+                f"{what}: module {module_name!r} has no attribute {attr!r}; check the name "
+                "after the ':'"
+            )
+        obj = getattr(obj, part)
+    return obj

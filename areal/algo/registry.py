@@ -25,7 +25,6 @@ Invariants:
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
@@ -41,7 +40,7 @@ from areal.algo.advantages import (
 from areal.algo.gspo import gspo_loss
 from areal.algo.kl import kl_per_token
 from areal.algo.loss import LossInput, LossOutput, LossSettings, ppo_objective, reduce_tokens
-from areal.user_code import CWD_RULE, import_user_module
+from areal.user_code import load_user_attr
 
 __all__ = [
     "ADVANTAGES",
@@ -76,26 +75,7 @@ def _resolve(spec: str, setting: str, builtin: dict[str, Any], signature: str, n
             f"{setting}={spec!r}: use one of {', '.join(builtin)}, or 'pkg.module:function' "
             f"for your own {signature}"
         )
-    try:
-        obj: Any = import_user_module(mod_name)
-    except ImportError as e:
-        raise ValueError(
-            f"{setting}={spec!r}: cannot import module {mod_name!r} ({e}); looked in the "
-            f"{CWD_RULE} ({os.getcwd()}): run from the directory that holds it, or add its "
-            "directory to PYTHONPATH"
-        ) from None
-    except Exception as e:  # the module's own bug, in one line
-        raise ValueError(
-            f"{setting}={spec!r}: importing {mod_name!r} raised {type(e).__name__}: {e}; "
-            "fix that module"
-        ) from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(
-                f"{setting}={spec!r}: module {mod_name!r} has no attribute {attr!r}; check "
-                "the function name after the ':'"
-            )
-        obj = getattr(obj, part)
+    obj = load_user_attr(mod_name, attr, f"{setting}={spec!r}")
     try:
         inspect.signature(obj).bind(*([None] * n_args))
     except TypeError:

@@ -220,15 +220,8 @@ class DeepSpeedTrainEngine:
         if cfg.gradient_checkpointing:
             _enable_gradient_checkpointing(self.module)
         self.version = 0
-        self.fwd = SeqForward(
-            self.engine,
-            dtype=torch_dtype,
-            device=self.device,
-            temperature=cfg.temperature,
-            packing=cfg.packing,
-            fixed_mb_size=cfg.fixed_mb_size,
-            varlen=varlen,
-            share_prompts=cfg.share_prompts,
+        self.fwd = SeqForward.of_config(
+            self.engine, cfg, dtype=torch_dtype, device=self.device, varlen=varlen
         )
 
     def _load_model(self, dtype: torch.dtype) -> tuple[torch.nn.Module, bool]:

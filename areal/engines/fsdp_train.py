@@ -132,15 +132,8 @@ class FSDPTrainEngine:
         self.n_minibatches = cfg.n_minibatches
         self.prox_logp = cfg.prox_logp
         self.version = 0
-        self.fwd = SeqForward(
-            self.model,
-            dtype=self.compute_dtype,
-            device=self.device,
-            temperature=cfg.temperature,
-            packing=cfg.packing,
-            fixed_mb_size=cfg.fixed_mb_size,
-            varlen=varlen,
-            share_prompts=cfg.share_prompts,
+        self.fwd = SeqForward.of_config(
+            self.model, cfg, dtype=self.compute_dtype, device=self.device, varlen=varlen
         )
 
     # ---------------------------------------------------------------- protocol

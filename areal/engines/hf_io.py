@@ -24,7 +24,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["WEIGHT_SUFFIXES", "save_hf_dir"]
+__all__ = ["WEIGHT_SUFFIXES", "export_plain", "save_hf_dir"]
 
 # Files of the source model dir that hold weights (or index them) and are never copied.
 WEIGHT_SUFFIXES = (
@@ -87,3 +87,17 @@ def _swap_in(tmp: Path, dst: Path, tag: str) -> None:
         os.replace(old, dst)  # put the previous output back
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def export_plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, tied ones with storage of their own (what safetensors takes: a
+    trainer's `export_state_dict`, a merged LoRA export)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in state.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.data_ptr())
+        out[name] = t
+    return out

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from areal.engines.config import LoraSpec, TrainEngineConfig
-from areal.engines.hf_io import save_hf_dir
+from areal.engines.hf_io import export_plain, save_hf_dir
 from areal.engines.weights_check import TensorSpec, WeightsMismatch, all_finite
 
 __all__ = [
@@ -215,7 +215,7 @@ def save_lora_aware(
         save_hf_dir(model, state, model_path, path)
         return
     full = state if state is not None else model.state_dict()
-    merged = _own_cpu(merged_state_dict(full, meta.alpha / meta.r))
+    merged = export_plain(merged_state_dict(full, meta.alpha / meta.r))
     adapter = adapter_of(full, meta)
     save_hf_dir(
         model,
@@ -224,19 +224,6 @@ def save_lora_aware(
         path,
         extra=lambda d: save_peft_adapter(d / "adapter", adapter, model_path),
     )
-
-
-def _own_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors, tied ones with storage of their own (safetensors takes them)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in state.items():
-        t = t.detach().to("cpu").contiguous()
-        if t.data_ptr() in seen:
-            t = t.clone()
-        seen.add(t.data_ptr())
-        out[name] = t
-    return out
 
 
 # ------------------------------------------------------------------ rollout side

@@ -24,12 +24,16 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from areal.algo.packing import pack_ffd, pack_ffd_shared, pack_fixed
 from areal.engines import varlen_attn
 from areal.engines.base import TrainSeq
+
+if TYPE_CHECKING:
+    from areal.engines.config import TrainEngineConfig
 
 __all__ = ["SeqForward", "load_causal_lm", "seq_len"]
 
@@ -87,6 +91,29 @@ class SeqForward:
         self.varlen = varlen
         self.share_prompts = share_prompts and varlen  # needs our attention (areal_blocks)
         self.builtin_packed = _packed_detection_builtin()
+
+    @classmethod
+    def of_config(
+        cls,
+        model: Callable,
+        cfg: TrainEngineConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        varlen: bool,
+    ) -> SeqForward:
+        """A trainer engine's forward of `model` as its config sets it up (temperature,
+        packing, shared prompts)."""
+        return cls(
+            model,
+            dtype=dtype,
+            device=device,
+            temperature=cfg.temperature,
+            packing=cfg.packing,
+            fixed_mb_size=cfg.fixed_mb_size,
+            varlen=varlen,
+            share_prompts=cfg.share_prompts,
+        )
 
     def micro_batches(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> list[list[int]]:
         if self.packing == "fixed":

@@ -41,6 +41,7 @@ from areal.algo.loss_norm import Normaliser
 from areal.algo.registry import compute_loss
 from areal.engines.base import TrainSeq
 from areal.engines.config import TrainEngineConfig
+from areal.engines.hf_io import export_plain
 from areal.engines.lora import (
     AdapterMeta,
     adapter_of,
@@ -101,15 +102,8 @@ class TorchTrainEngine:
         self.n_minibatches = cfg.n_minibatches
         self.prox_logp = cfg.prox_logp
         self.version = 0
-        self.fwd = SeqForward(
-            self.model,
-            dtype=self.model.dtype,
-            device=self.device,
-            temperature=cfg.temperature,
-            packing=cfg.packing,
-            fixed_mb_size=cfg.fixed_mb_size,
-            varlen=varlen,
-            share_prompts=cfg.share_prompts,
+        self.fwd = SeqForward.of_config(
+            self.model, cfg, dtype=self.model.dtype, device=self.device, varlen=varlen
         )
         # algo.kl_coef > 0: a frozen reference policy, the initial weights, forwarded exactly as
         # the policy is (same SeqForward), so its KL is exactly 0 before the first update
@@ -119,15 +113,8 @@ class TorchTrainEngine:
                 cfg.model_path, resolve_dtype(cfg.dtype), cfg.attn_implementation
             )
             ref = ref.to(self.device).eval().requires_grad_(False)
-            self.ref_fwd = SeqForward(
-                ref,
-                dtype=ref.dtype,
-                device=self.device,
-                temperature=cfg.temperature,
-                packing=cfg.packing,
-                fixed_mb_size=cfg.fixed_mb_size,
-                varlen=varlen,
-                share_prompts=cfg.share_prompts,
+            self.ref_fwd = SeqForward.of_config(
+                ref, cfg, dtype=ref.dtype, device=self.device, varlen=varlen
             )
 
     # ---------------------------------------------------------------- protocol
@@ -277,19 +264,6 @@ class TorchTrainEngine:
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng_cuda"])
-
-
-def export_plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors, tied ones with storage of their own (`export_state_dict`)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, t in state.items():
-        t = t.detach().to("cpu").contiguous()
-        if t.data_ptr() in seen:
-            t = t.clone()
-        seen.add(t.data_ptr())
-        out[name] = t
-    return out
 
 
 def trained_state(model: torch.nn.Module, meta: AdapterMeta | None) -> dict[str, torch.Tensor]:

@@ -14,7 +14,6 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from areal.rewards.code import code_reward
@@ -24,7 +23,7 @@ from areal.rewards.synthetic import (
     running_sum_reward,
     tool_arithmetic_reward,
 )
-from areal.user_code import CWD_RULE, import_user_module
+from areal.user_code import load_user_attr
 
 RewardFn = Callable[[str, str], float]
 
@@ -58,27 +57,7 @@ def get_reward_fn(name: str) -> RewardFn:
     module_name, _, attr = name.partition(":")
     if not module_name or not attr:
         raise ValueError(f"reward spec {name!r} must look like 'package.module:function'")
-    try:
-        module = import_user_module(module_name)
-    except ImportError as e:
-        raise ValueError(
-            f"reward spec {name!r}: cannot import module {module_name!r} ({e}); looked in the "
-            f"{CWD_RULE} ({os.getcwd()}): run from the directory that holds it, or add its "
-            "directory to PYTHONPATH"
-        ) from None
-    except Exception as e:  # the module itself fails to import: its own bug, reported in one line
-        raise ValueError(
-            f"reward spec {name!r}: importing module {module_name!r} raised "
-            f"{type(e).__name__}: {e}; fix that module"
-        ) from None
-    fn = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise ValueError(
-                f"reward spec {name!r}: module {module_name!r} has no attribute {attr!r}; "
-                "check the function name after the ':'"
-            )
-        fn = getattr(fn, part)
+    fn = load_user_attr(module_name, attr, f"reward spec {name!r}")
     if not callable(fn):
         raise ValueError(
             f"reward spec {name!r}: {attr!r} is a {type(fn).__name__}, not a callable; "

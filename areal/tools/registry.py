@@ -19,7 +19,7 @@ from typing import Any
 from areal.tools.base import NAME_RE, Tool, tool
 from areal.tools.calc import calc_tool
 from areal.tools.python import python_tool
-from areal.user_code import import_user_module
+from areal.user_code import load_user_attr
 
 BUILTIN_TOOLS: dict[str, Callable[[], Tool]] = {"calc": calc_tool, "python": python_tool}
 
@@ -66,24 +66,9 @@ def resolve_tool(spec: str) -> Tool:
             "for your own (a function of the argument string returning text, or a Tool)"
         )
     try:
-        obj: Any = import_user_module(mod_name)
-    except ImportError as e:
-        raise ToolSpecError(
-            f"tool spec {spec!r}: cannot import module {mod_name!r} ({e}); run from the "
-            "directory that holds it, or add that directory to PYTHONPATH"
-        ) from None
-    except Exception as e:  # the module's own bug, in one line
-        raise ToolSpecError(
-            f"tool spec {spec!r}: importing {mod_name!r} raised {type(e).__name__}: {e}; fix "
-            "that module"
-        ) from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ToolSpecError(
-                f"tool spec {spec!r}: module {mod_name!r} has no attribute {attr!r}; check the "
-                "name after the ':'"
-            )
-        obj = getattr(obj, part)
+        obj: Any = load_user_attr(mod_name, attr, f"tool spec {spec!r}")
+    except ValueError as e:
+        raise ToolSpecError(str(e)) from None
     if isinstance(obj, Tool):
         return _renamed(obj, name, spec)
     if isinstance(obj, type) or not callable(obj):

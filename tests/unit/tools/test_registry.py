@@ -91,7 +91,7 @@ def test_a_module_in_the_working_directory(tmp_path, monkeypatch):
         ("calculator", "unknown tool 'calculator': use one of ['calc', 'python']"),
         ("", "write a built-in name or 'pkg.module:attr'"),
         ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
-        ("broken_tools:f", "importing 'broken_tools' raised RuntimeError: half-installed"),
+        ("broken_tools:f", "importing module 'broken_tools' raised RuntimeError: half-installed"),
         ("my_tools:nope", "has no attribute 'nope'"),
         ("my_tools:NOT_CALLABLE", "'NOT_CALLABLE' is a int; point it at a function"),
         ("my_tools:Klass", "'Klass' is a type"),
