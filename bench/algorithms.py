@@ -19,8 +19,8 @@ The table shows the mean over seeds and each seed's value.
 
     python bench/algorithms.py [--seeds 0,1] [--part grid,staleness] [--quick] [--out DIR]
 
-Runs already in `<out>/algorithms_runs.jsonl` are not run again (a sitting can be resumed; start
-a new one with --fresh). Writes <out>/algorithms.md, .json, .png.
+Runs that finished in `<out>/algorithms_runs.jsonl` are not run again (a sitting can be resumed,
+a failed run is retried; start a new sitting with --fresh). Writes <out>/algorithms.md, .json, .png.
 """
 
 from __future__ import annotations
@@ -263,7 +263,8 @@ def load_done(path: Path) -> dict[str, Outcome]:
         for line in path.read_text().splitlines():
             if line.strip():
                 o = Outcome(**json.loads(line))
-                done[o.key] = o
+                if o.ok:  # a failed run is run again
+                    done[o.key] = o
     return done
 
 
