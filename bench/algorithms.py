@@ -20,7 +20,8 @@ The table shows the mean over seeds and each seed's value.
     python bench/algorithms.py [--seeds 0,1] [--part grid,staleness] [--quick] [--out DIR]
 
 Runs that finished in `<out>/algorithms_runs.jsonl` are not run again (a sitting can be resumed,
-a failed run is retried; start a new sitting with --fresh). Writes <out>/algorithms.md, .json, .png.
+a failed run is retried; start a new sitting with --fresh). Writes <out>/algorithms.md, .json, .png
+(and keeps the sitting's header in <out>/algorithms_sitting.json).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from _rl import (  # noqa: E402
     code_state,
     cpu_load,
     eval_final,
+    eval_model,
     mean,
     prewarm,
     rolling,
@@ -300,9 +302,21 @@ def main() -> int:
             "code": code_state(),
         }
     )
+    # the sitting's header and start are the first invocation's; a resume only adds runs
+    sitting_path = args.out / "algorithms_sitting.json"
+    if outcomes and sitting_path.exists():
+        sitting = json.loads(sitting_path.read_text())
+    else:
+        sitting = {"header": header, "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        sitting_path.write_text(json.dumps(sitting))
+    header = sitting["header"]
     print(header, flush=True)
+    warm = []  # the starting point: the warm-start model's held-out accuracy, per task and seed
     for task, (config, _) in TASKS.items():
-        print(f"warm start {task}: {prewarm(config, ['seed=0'])}", flush=True)
+        model = prewarm(config, ["seed=0"])
+        accs = [eval_model(model, config, [f"seed={seed}"]) for seed in seeds]
+        warm.append(f"{task} {'/'.join(f'{a:.3f}' for a in accs)}")
+        print(f"warm start {task}: {model}, held-out {warm[-1]}", flush=True)
     t_all = time.perf_counter()
     todo = [s for s in specs if s.key not in outcomes]
     print(f"{len(specs)} runs, {len(specs) - len(todo)} already done", flush=True)
@@ -348,8 +362,11 @@ def main() -> int:
             "# Loss x advantage entries and staleness",
             "",
             header,
-            f"- code: {'; '.join(codes)}",
-            f"- this sitting {total_s / 60:.1f} min; 1-min load over the runs "
+            f"- code the runs started from: {'; '.join(codes)}",
+            f"- warm start (step 0), held-out accuracy per seed: {'; '.join(warm)}",
+            f"- sitting from {sitting['started']} to "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} ({len(todo)} runs in the "
+            f"last invocation, {total_s / 60:.1f} min); 1-min load over the runs "
             f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f}",
             "",
             "Cells: mean over seeds (each seed's value in brackets; '[k of n]' when only k seeds "
