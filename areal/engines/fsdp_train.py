@@ -24,6 +24,10 @@ Invariants:
 - With ``lora`` (`areal.engines.lora`) the adapter is injected before sharding and is all the
   optimizer holds; exports gather the adapter's tensors alone (what is published), the HF dir
   holds the merged model and ``adapter/``; checkpoints stay full (model and optimizer).
+- With ``loss_cfg.kl_coef`` > 0 every rank loads a frozen reference (the initial weights; the
+  base model under ``lora``, as in the torch engine), sharded as the policy is (each decoder
+  layer, then the root; same mixed precision) with no optimizer, and forwarded under no_grad by
+  the same `SeqForward` path in every pass (dummies too), so ``kl_ref`` is exactly 0 at step 1.
 - ``gradient_checkpointing`` recomputes each decoder layer in backward (same numbers, less
   memory); ``activation_offload`` keeps saved activations in pinned CPU memory (CUDA only; a
   no-op on CPU).
@@ -135,6 +139,14 @@ class FSDPTrainEngine:
         self.fwd = SeqForward.of_config(
             self.model, cfg, dtype=self.compute_dtype, device=self.device, varlen=varlen
         )
+        self.ref_fwd: SeqForward | None = None
+        if cfg.loss_cfg.kl_coef > 0:
+            ref, _ = load_causal_lm(cfg.model_path, torch.float32, cfg.attn_implementation)
+            ref.to(self.device).eval().requires_grad_(False)
+            ref = _shard(ref, self.device, self.world, self.compute_dtype, cfg, checkpoint=False)
+            self.ref_fwd = SeqForward.of_config(
+                ref, cfg, dtype=self.compute_dtype, device=self.device, varlen=varlen
+            )
 
     # ---------------------------------------------------------------- protocol
     def compute_logp(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> list[torch.Tensor]:
@@ -212,7 +224,14 @@ class FSDPTrainEngine:
             mb = mbs[mine[k]] if real else mbs[0]  # a dummy: same collectives, zero weight
             with self._offload():
                 out = microbatch_loss(
-                    self.fwd, mb, self.loss_cfg, prox_mode, self.version, denom, self.device
+                    self.fwd,
+                    mb,
+                    self.loss_cfg,
+                    prox_mode,
+                    self.version,
+                    denom,
+                    self.device,
+                    ref_fwd=self.ref_fwd,
                 )
                 (out.loss if real else out.loss * 0.0).backward()
             if real:
@@ -254,8 +273,12 @@ class FSDPTrainEngine:
         """``reduce_loss_stats`` over every rank's outputs: additive totals summed, the
         imp-weight max maxed (so each ratio is defined as on one rank)."""
         sums = loss_stat_sums(outs)
+        if self.ref_fwd is not None:  # the same keys on every rank, even one with no outputs
+            sums.setdefault("kl_ref_sum", 0.0)
         keys = sorted(sums)
-        vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+        vec = torch.tensor(
+            [sums[k] for k in keys] + [float(len(outs))], dtype=torch.float64, device=self.device
+        )
         mx = torch.tensor(
             [max((o.imp_weight_max for o in outs), default=0.0)],
             dtype=torch.float64,
@@ -264,7 +287,11 @@ class FSDPTrainEngine:
         if self.world > 1:
             dist.all_reduce(vec)
             dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-        return stats_from_sums(dict(zip(keys, vec.tolist(), strict=True)), float(mx))
+        *totals, n_outs = vec.tolist()
+        sums = dict(zip(keys, totals, strict=True))
+        if n_outs == 0:  # no output on any rank: no kl_ref, as on one process
+            sums.pop("kl_ref_sum", None)
+        return stats_from_sums(sums, float(mx))
 
     # ------------------------------------------------------------ serialisation
     def export_state_dict(self) -> dict[str, torch.Tensor]:
@@ -367,8 +394,11 @@ def _shard(
     world: int,
     compute_dtype: torch.dtype,
     cfg: TrainEngineConfig,
+    *,
+    checkpoint: bool = True,
 ) -> torch.nn.Module:
-    """``fully_shard`` each decoder layer, then the root; gradients summed over ranks."""
+    """``fully_shard`` each decoder layer, then the root; gradients summed over ranks.
+    ``checkpoint`` False: no activation checkpointing (a frozen reference has no backward)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world,))
@@ -377,11 +407,11 @@ def _shard(
         reduce_dtype=torch.float32,
     )
     layers = _decoder_layers(model)
-    if cfg.gradient_checkpointing:
-        from torch.distributed._composable import checkpoint
+    if cfg.gradient_checkpointing and checkpoint:
+        from torch.distributed._composable import checkpoint as checkpoint_layer
 
         for layer in layers:
-            checkpoint(layer)
+            checkpoint_layer(layer)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

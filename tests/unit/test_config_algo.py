@@ -69,8 +69,8 @@ def test_old_flags_that_agree_with_advantage_still_load() -> None:
         (["algo.gspo_eps_clip_low=0"], "algo.gspo_eps_clip_low"),
         (["algo.kl_estimator=k4"], "algo.kl_estimator: Input should be"),
         (
-            ["algo.kl_coef=0.1", "train.engine=fsdp"],
-            "algo.kl_coef=0.1 needs train.engine=torch",
+            ["algo.kl_coef=0.1", "train.engine=deepspeed"],
+            "algo.kl_coef=0.1 needs train.engine=torch or fsdp",
         ),
     ],
 )

@@ -1,7 +1,8 @@
 """FSDPTrainEngine over real 2-process gloo groups, driven through the rank group
 (`RankZeroEngine` on rank 0, `follow` on rank 1), against the 1-process TorchTrainEngine on
 the same batches: log-probs, step stats and exported weights agree within 1e-5, a checkpoint
-resumes on 2 or on 1 rank, a non-finite minibatch is refused on every rank, and a rank that
+resumes on 2 or on 1 rank, a KL to a sharded frozen reference replays (kl_ref exactly 0 at
+step 1), a non-finite minibatch is refused on every rank, and a rank that
 dies is noticed by the other one."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from areal.algo.loss import PPOLossConfig
 from areal.bus.embedded import free_port
 from areal.engines.config import LoraSpec, TrainEngineConfig
 from tests.unit.engines.test_torch_train import make_seqs
@@ -34,7 +36,7 @@ def batch(step: int, nan_seq: int | None = None):
 
 
 def engine_cfg(kind: str, model_dir: str, **kw) -> TrainEngineConfig:
-    return TrainEngineConfig(kind=kind, model_path=model_dir, lr=1e-3, n_minibatches=2, **kw)
+    return TrainEngineConfig(kind=kind, model_path=model_dir, lr=1e-3, **{"n_minibatches": 2, **kw})
 
 
 # scenario -> FSDP engine options (the others run with none)
@@ -42,7 +44,11 @@ ENGINE_OPTIONS = {
     "checkpointing": {"gradient_checkpointing": True, "activation_offload": True},
     "bf16": {"dtype": "bfloat16"},
     "lora": {"lora": LoraSpec(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))},
+    # one minibatch: step 1 runs wholly on the initial weights, so its kl_ref is exactly 0
+    "kl": {"loss_cfg": PPOLossConfig(kl_coef=0.1, kl_estimator="k3"), "n_minibatches": 1},
 }
+# lora + kl: the reference is the base model (no adapter), as on the torch engine
+ENGINE_OPTIONS["kl_lora"] = ENGINE_OPTIONS["kl"] | ENGINE_OPTIONS["lora"]
 
 
 # ----------------------------------------------------------------- the ranks' side
@@ -65,6 +71,10 @@ def _scenario(name: str, engine, out: Path) -> dict:
     elif name in ENGINE_OPTIONS:
         res["stats"] = [engine.train_step(batch(s), MAX_TOKENS) for s in (0, 1)]
         res["weights"] = engine.export_safetensors()
+        if name.startswith("kl"):
+            res["logp"] = engine.compute_logp(batch(3), MAX_TOKENS)
+            # one micro-batch: rank 1 has no output of its own, only a dummy pass
+            res["one_mb"] = engine.train_step(batch(2)[:1], MAX_TOKENS)
         if name == "lora":
             res["logp"] = engine.compute_logp(batch(3), MAX_TOKENS)
             engine.save_pretrained(str(out / "final"))
@@ -110,6 +120,8 @@ def _rank_main(rank: int, world: int, port: int, name: str, model_dir: str, out:
         _leader_dies(rank, engine, out_dir)
     if name == "missing":
         _missing_checkpoint(rank, engine, out_dir)
+    if name.startswith("kl") and rank > 0:
+        _record_steps(engine, out_dir / f"{name}-rank{rank}.pt")
     if rank > 0:
         rc = follow(engine)
         leave_group()  # as areal.launch.ranks does: exiting with the group up can abort (SIGABRT)
@@ -118,6 +130,29 @@ def _rank_main(rank: int, world: int, port: int, name: str, model_dir: str, out:
     res = _scenario(name, group, out_dir)
     group.close(0)
     torch.save(res, out_dir / f"{name}-{world}.pt")
+
+
+def _record_steps(engine, path: Path) -> None:
+    """A follower's own step stats, saved after each step (what rank 0 returns is reduced),
+    with what its reference model is (sharded per layer, frozen, in eval mode)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    ref = engine.ref_fwd.model
+    facts = {
+        "fsdp_units": sum(isinstance(m, FSDPModule) for m in ref.modules()),
+        "policy_fsdp_units": sum(isinstance(m, FSDPModule) for m in engine.model.modules()),
+        "frozen": not any(p.requires_grad for p in ref.parameters()),
+        "eval": not ref.training,
+        "lora": any(".lora_" in n for n, _ in ref.named_parameters()),
+    }
+    train_step, seen = engine.train_step, []
+
+    def recorded(*args, **kw):
+        seen.append(train_step(*args, **kw))
+        torch.save({"steps": seen, "ref": facts}, path)
+        return seen[-1]
+
+    engine.train_step = recorded
 
 
 def _rank0_sees_follower_die(group, out: Path) -> None:
@@ -312,6 +347,32 @@ def test_lora_on_two_ranks_replays_through_one_torch_process(model_dir, tmp_path
     assert (tmp_path / "final" / "adapter" / "adapter_model.safetensors").exists()
     assert got["version"] == 2  # a LoRA run's checkpoint resumes to the same step
     assert max_weight_diff(got["step2"], got["step2_resumed"]) <= TOL
+
+
+@pytest.mark.slow  # two spawned ranks with a policy and a reference each: ~20 s on 2 cores
+@pytest.mark.parametrize("name", ["kl", "kl_lora"])
+def test_kl_to_the_reference_on_two_ranks_replays_through_one_torch_process(
+    model_dir, tmp_path, name
+):
+    """Each rank holds a sharded frozen reference: the stats (kl_ref too), the weights and the
+    log-probs after are the 1-process torch engine's; kl_ref is exactly 0 at step 1 on both."""
+    got = run_group(name, 2, model_dir, tmp_path)
+    ref = torch_reference(model_dir, [0, 1], **ENGINE_OPTIONS[name])
+    for r, g in zip(ref["stats"], got["stats"], strict=True):
+        assert_stats_close(r, g)
+    assert max_weight_diff(ref["weights"], got["weights"]) <= TOL
+    for a, b in zip(ref["logp_after"], got["logp"], strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=TOL)
+    rank1 = torch.load(tmp_path / f"{name}-rank1.pt", weights_only=False)
+    facts = rank1["ref"]
+    assert facts["fsdp_units"] == facts["policy_fsdp_units"] > 1
+    assert facts["frozen"] and facts["eval"] and not facts["lora"]  # lora: the base model
+    assert (
+        got["stats"][0]["kl_ref"] == rank1["steps"][0]["kl_ref"] == ref["stats"][0]["kl_ref"] == 0.0
+    )
+    assert got["stats"][1]["kl_ref"] > 0.0  # k3 once the policy has moved
+    assert got["one_mb"]["n_microbatches"] == 1 and got["one_mb"]["kl_ref"] > 0.0
+    assert set(got["one_mb"]) == set(got["stats"][0])
 
 
 @pytest.mark.slow

@@ -17,9 +17,9 @@ from tests.unit.engines.test_torch_train import make_seqs
 def test_no_reference_model_when_kl_is_off(model_dir):
     eng = train_engine(model_dir)
     assert eng.ref_fwd is None
-    with pytest.raises(ValueError, match="kl_coef > 0 needs kind 'torch'"):
+    with pytest.raises(ValueError, match="kl_coef > 0 needs kind 'torch' or 'fsdp'"):
         TrainEngineConfig(
-            kind="fsdp", model_path=model_dir, lr=1e-3, loss_cfg=PPOLossConfig(kl_coef=0.1)
+            kind="deepspeed", model_path=model_dir, lr=1e-3, loss_cfg=PPOLossConfig(kl_coef=0.1)
         )
 
 
