@@ -134,16 +134,21 @@ def test_held_out_split_and_eval_split(tmp_path):
     assert len(train) == 20 and prompts(held) == [f"{i}+{i}=" for i in range(100, 104)]
 
 
-def test_a_hub_name_is_read_from_the_local_cache_only(tmp_path, monkeypatch):
+def cache_hub_dataset(tmp_path, sha: str) -> None:
+    """`me/tiny` in the private hub cache, in the cache's own layout (as
+    `datasets.load_dataset("me/tiny")` leaves it): one Parquet shard of `rows()`."""
     from datasets import Dataset
 
-    # the hub cache's own layout, as `datasets.load_dataset("me/tiny")` leaves it
     repo = tmp_path / "hf-home" / "hub" / "datasets--me--tiny"
-    snap = repo / "snapshots" / ("ab" * 20)
+    snap = repo / "snapshots" / sha
     (snap / "data").mkdir(parents=True)
     Dataset.from_dict(rows()).to_parquet(str(snap / "data" / "train-00000-of-00001.parquet"))
     (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("ab" * 20)
+    (repo / "refs" / "main").write_text(sha)
+
+
+def test_a_hub_name_is_read_from_the_local_cache_only(tmp_path, monkeypatch):
+    cache_hub_dataset(tmp_path, "ab" * 20)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)  # offline whatever the env says
     assert source_error("hf:me/tiny") is None
     src = make_source("hf:me/tiny", mapped(), seed=0)
@@ -254,16 +259,9 @@ def test_an_hf_dataset_is_shared_with_workers_on_other_hosts_as_its_files(tmp_pa
 
 
 def test_a_cached_hub_dataset_is_shared_as_its_snapshot(tmp_path, monkeypatch):
-    from datasets import Dataset
-
     from areal.data.sources import source_files, with_copy
 
-    repo = tmp_path / "hf-home" / "hub" / "datasets--me--tiny"
-    snap = repo / "snapshots" / ("cd" * 20)
-    (snap / "data").mkdir(parents=True)
-    Dataset.from_dict(rows()).to_parquet(str(snap / "data" / "train-00000-of-00001.parquet"))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("cd" * 20)
+    cache_hub_dataset(tmp_path, "cd" * 20)
     assert list(source_files("hf:me/tiny")) == ["data/train-00000-of-00001.parquet"]
     assert with_copy("hf:me/tiny", tmp_path / "copy") == f"hf:{tmp_path / 'copy'}"
 
