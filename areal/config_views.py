@@ -4,9 +4,17 @@ A view is a frozen model taken from the resolved `RunSettings` (`View.of(setting
 role cannot read or change another role's knobs by accident, and a test can build a role from a
 small view. The worker shell itself (NATS, logging, the model's cache) still reads the whole
 settings.
+
+A role's plain policy object (`IntakePolicy`, `SchedulerPolicy`, `AdmissionPolicy`,
+`TrainerOptions`) is filled by `fields_from`: each of its fields is taken by name from the
+settings parts it reads, so a new knob is declared where it is set and where it is read, and no
+builder copies it field by field.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -23,7 +31,29 @@ from areal.config import (
     WeightsSettings,
 )
 
-__all__ = ["ControllerView", "RewardView", "RolloutView", "TrainerView"]
+__all__ = ["ControllerView", "RewardView", "RolloutView", "TrainerView", "fields_from"]
+
+T = TypeVar("T")
+
+
+def fields_from(cls: type[T], *sources: object, **given: Any) -> T:
+    """The dataclass `cls` with every field not in `given` taken, by name, from the first of
+    `sources` that has an attribute of that name. A field found nowhere is a `TypeError` naming
+    it and the sources, even when the field has a default: a knob renamed on one side fails at
+    the role's start, not silently as its default."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in given:
+            values[f.name] = given.pop(f.name)
+            continue
+        src = next((s for s in sources if hasattr(s, f.name)), None)
+        if src is None:
+            names = ", ".join(type(s).__name__ for s in sources) or "no source"
+            raise TypeError(f"{cls.__name__}.{f.name}: not given and not a field of {names}")
+        values[f.name] = getattr(src, f.name)
+    if given:
+        raise TypeError(f"{cls.__name__} has no field {', '.join(sorted(given))}")
+    return cls(**values)
 
 
 class _View(BaseModel):
@@ -60,7 +90,7 @@ class RolloutView(_View):
     reward_fn: str  # eval rounds are scored by the run's reward function...
     reward_timeout_s: float  # ...with its per-sample timeout
     group_size: int  # G: a task must ask for this many samples
-    max_staleness: int  # η: which admitted batch the trainer takes next (rollout.needed_first)
+    max_staleness: int  # η: which admitted batch is the trainer's next (the scheduler)
 
     @classmethod
     def of(cls, s: RunSettings) -> RolloutView:

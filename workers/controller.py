@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from areal.bus.client import Bus
 from areal.config import RunSettings
-from areal.config_views import ControllerView
+from areal.config_views import ControllerView, fields_from
 from areal.launch.worker import RoleSpec, resolve_model_path
 from areal.launch.worker import main as worker_main
 
@@ -35,15 +35,20 @@ def prepare(settings: RunSettings, worker_id: str) -> ControllerParts:
     return ControllerParts(view, source, prompts)
 
 
-def build(parts: ControllerParts, bus: Bus) -> Controller:
+def admission_policy(view: ControllerView) -> Any:
+    """B, η (`algo.batch_size`, `.max_staleness`) and `train.total_steps`."""
     from areal.core.admission import AdmissionPolicy
+
+    return fields_from(AdmissionPolicy, view.algo, view)
+
+
+def build(parts: ControllerParts, bus: Bus) -> Controller:
     from areal.services.controller import Controller
 
-    a = parts.view.algo
-    policy = AdmissionPolicy(
-        batch_size=a.batch_size, max_staleness=a.max_staleness, total_steps=parts.view.total_steps
+    v = parts.view
+    return Controller(
+        bus, parts.source, parts.prompts, policy=admission_policy(v), group_size=v.algo.group_size
     )
-    return Controller(bus, parts.source, parts.prompts, policy=policy, group_size=a.group_size)
 
 
 SPEC = RoleSpec("controller", prepare, build)

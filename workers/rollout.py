@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from areal.bus.client import Bus
 from areal.config import RunSettings
-from areal.config_views import RolloutView
+from areal.config_views import RolloutView, fields_from
 from areal.launch.worker import RoleSpec, resolve_model_path
 from areal.launch.worker import main as worker_main
 
@@ -117,8 +117,15 @@ def eval_plan(view: RolloutView, tok: Any, params: Any) -> Any:
     )
 
 
-def build(parts: RolloutParts, bus: Bus) -> RolloutService:
+def scheduler_policy(view: RolloutView) -> Any:
+    """The scheduler's knobs: `rollout.interruptible`, `.interrupt_min_interval_s`,
+    `.needed_first` and η (`algo.max_staleness`)."""
     from areal.core.scheduling import SchedulerPolicy
+
+    return fields_from(SchedulerPolicy, view.rollout, view)
+
+
+def build(parts: RolloutParts, bus: Bus) -> RolloutService:
     from areal.core.validate import Bounds
     from areal.services.evaluation import Evaluator
     from areal.services.rollout import RolloutService
@@ -130,12 +137,7 @@ def build(parts: RolloutParts, bus: Bus) -> RolloutService:
         parts.engine,
         parts.decode_text,
         parts.params,
-        policy=SchedulerPolicy(
-            interruptible=r.interruptible,
-            interrupt_min_interval_s=r.interrupt_min_interval_s,
-            needed_first=r.needed_first,
-            max_staleness=v.max_staleness,
-        ),
+        policy=scheduler_policy(v),
         max_concurrent_tasks=r.max_concurrent_tasks,
         evaluator=Evaluator(parts.eval_plan) if parts.eval_plan is not None else None,
         workflow=parts.workflow,

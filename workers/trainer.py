@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from areal.bus.client import Bus
 from areal.config import RunSettings
-from areal.config_views import TrainerView
+from areal.config_views import TrainerView, fields_from
 from areal.launch.worker import RoleSpec, resolve_model_path
 from areal.launch.worker import main as worker_main
 
 if TYPE_CHECKING:  # heavy: imported inside build() at run time
     from areal.launch.ranks import RankZeroService
-    from areal.services.trainer import TrainerService
+    from areal.services.trainer import TrainerOptions, TrainerService
 
 
 @dataclass(frozen=True)
@@ -96,40 +96,42 @@ def follow(settings: RunSettings, worker_id: str) -> int:
     return follow_main(settings, worker_id, make_engine)
 
 
+def trainer_options(view: TrainerView, bounds: Any = None) -> TrainerOptions:
+    """The trainer service's knobs: the intake's (`algo.batch_size`, `.group_size`,
+    `.max_staleness`, `.filter_zero_adv_groups`, `.straggler_wait_s`) and the train, weights and
+    eval settings it reads."""
+    from areal.algo.registry import resolve_advantage
+    from areal.core.intake import IntakePolicy
+    from areal.services.trainer import TrainerOptions
+
+    return fields_from(
+        TrainerOptions,
+        view.train,  # total_steps, max_tokens_per_mb, checkpoint_every, storage_pause_max_s
+        view,  # mask_overlong, weights_dir
+        intake=fields_from(IntakePolicy, view.algo),
+        advantage=resolve_advantage(view.algo.advantage),
+        weights_dtype=view.model.dtype,
+        wire_dtype=view.weights.wire_dtype,
+        overlap_publish_max_bytes=int(view.weights.overlap_max_mib * 2**20),
+        eval_every_versions=view.eval.every_versions,
+        final_eval_wait_s=view.eval.final_wait_s,
+        bounds=bounds,
+    )
+
+
 def build(parts: TrainerParts, bus: Bus) -> TrainerService | RankZeroService:
     from pathlib import Path
 
-    from areal.algo.registry import resolve_advantage
-    from areal.core.intake import IntakePolicy
     from areal.core.validate import Bounds
-    from areal.services.trainer import TrainerOptions, TrainerService
+    from areal.services.trainer import TrainerService
 
     v = parts.view
-    a, t = v.algo, v.train
-    opts = TrainerOptions(
-        intake=IntakePolicy(
-            batch_size=a.batch_size,
-            group_size=a.group_size,
-            max_staleness=a.max_staleness,
-            filter_zero_adv_groups=a.filter_zero_adv_groups,
-            straggler_wait_s=a.straggler_wait_s,
-        ),
-        total_steps=t.total_steps,
-        max_tokens_per_mb=t.max_tokens_per_mb,
-        checkpoint_every=t.checkpoint_every,
-        storage_pause_max_s=t.storage_pause_max_s,
-        advantage=resolve_advantage(a.advantage),
-        weights_dtype=v.model.dtype,
-        wire_dtype=v.weights.wire_dtype,
-        weights_dir=v.weights_dir,
-        overlap_publish_max_bytes=int(v.weights.overlap_max_mib * 2**20),
-        mask_overlong=v.mask_overlong,
-        eval_every_versions=v.eval.every_versions,
-        final_eval_wait_s=v.eval.final_wait_s,
-        bounds=Bounds.with_model(
+    opts = trainer_options(
+        v,
+        Bounds.with_model(
             parts.engine,
             run_id=bus.names.run_id,
-            group_size=a.group_size,
+            group_size=v.algo.group_size,
             **v.sample_limits,
             reward_range=v.reward_range,
         ),
