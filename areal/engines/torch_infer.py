@@ -20,8 +20,9 @@ Invariants:
 - Prefill runs each distinct token sequence once (a GRPO group's G requests share one prompt)
   and copies its cache rows; decoding then samples every row independently.
 - A LoRA adapter (`areal.engines.lora`) loads like full weights, through the same check and the
-  same token-boundary switch: the adapted weights become ``W0 + s B A`` from a pristine copy of
-  ``W0`` (kept for the adapted weights only); full weights drop that copy.
+  same token-boundary switch: the adapted weights become ``W0 + s B A`` from a pristine float32
+  copy of ``W0`` (kept for the adapted weights only: 4 bytes a parameter, e.g. 106 MB for
+  SmolLM2-135M's q/k/v/o); full weights drop that copy.
 - Thread-safety: ``generate`` holds the engine lock for its whole run; ``poll_weights`` is the
   only way to hand weights in mid-generation (a ``load_weights`` from another thread waits).
 
@@ -217,7 +218,7 @@ class TorchInferenceEngine:
         self._live = self.model.state_dict()  # views of the parameters, by plain name
         self._spec = spec_of(self._live)  # what a weights blob must match
         self._base_fingerprint = base_fingerprint(self._live)  # what an adapter must match
-        self._pristine: dict[str, torch.Tensor] = {}  # W0 of weights an adapter changed
+        self._pristine: dict[str, torch.Tensor] = {}  # W0 (float32) of weights an adapter changed
         self.max_batch_size = cfg.max_batch_size
         self.max_seq_len: int | None = getattr(self.model.config, "max_position_embeddings", None)
         self.vocab_size: int = self.model.get_input_embeddings().num_embeddings  # ids must be below
