@@ -387,8 +387,7 @@ class AlgoSettings(_Part):
         0.0,
         ge=0,
         description="weight of the KL to a frozen reference model (the initial weights) added "
-        "to each loss token's loss; 0 = off, and no reference model is loaded (train.engine "
-        "torch or fsdp)",
+        "to each loss token's loss; 0 = off, and no reference model is loaded",
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3",
@@ -869,12 +868,6 @@ class RunSettings(BaseSettings):
                 parse_cpu_list(cpus)
             except ValueError as e:
                 raise ValueError(f"cpu_affinity.{role}: {e}") from None
-        if self.algo.kl_coef > 0 and self.train.engine == "deepspeed":
-            raise ValueError(
-                f"algo.kl_coef={self.algo.kl_coef} needs train.engine=torch or fsdp (the "
-                "deepspeed engine holds no frozen reference model): set train.engine=fsdp "
-                "or algo.kl_coef=0"
-            )
         n_seqs = self.algo.batch_size * self.algo.group_size
         if self.train.n_minibatches > n_seqs:
             raise ValueError(

@@ -127,11 +127,6 @@ class TrainEngineConfig:
         _check_choice("loss_cfg.loss_norm", self.loss_cfg.loss_norm, LOSS_NORMS)
         if self.loss_cfg.loss_norm == "constant" and not self.loss_cfg.loss_norm_tokens:
             raise ValueError("loss_cfg.loss_norm 'constant' needs loss_norm_tokens >= 1")
-        if self.loss_cfg.kl_coef > 0 and self.kind == "deepspeed":
-            raise ValueError(
-                "loss_cfg.kl_coef > 0 needs kind 'torch' or 'fsdp' (no reference model on "
-                "'deepspeed')"
-            )
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.weight_decay < 0:

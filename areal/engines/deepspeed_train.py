@@ -29,6 +29,11 @@ Invariants:
   ``reduce_loss_stats`` runs over the rows in micro-batch order, as on one rank.
 - bf16 keeps fp32 master weights and fp32 gradient accumulation (DeepSpeed's mixed precision);
   ``gradient_checkpointing`` recomputes each decoder layer in backward (same numbers).
+- With ``loss_cfg.kl_coef`` > 0 every rank holds a frozen reference (the initial weights):
+  under ZeRO-1/2 a plain replicated copy, under ZeRO-3 an optimizer-less DeepSpeed engine
+  partitioned as the policy is (no rank holds the full reference). It is forwarded by the same
+  `SeqForward` path in every pass, dummy passes too (ZeRO-3's gathers stay in step), so
+  ``kl_ref`` is exactly 0 at step 1; its per-micro-batch sums travel in the stat rows.
 - Checkpoints are DeepSpeed directories (``<path>/<tag>/``, one optimizer shard per rank, on
   a filesystem every rank sees) with a ``latest`` pointer written atomically after every rank
   has written its shard: a crash mid-save leaves the previous checkpoint in force.
@@ -79,6 +84,7 @@ _ROW = (
     "imp_weight_max",
     "n_imp_masked",
     "entropy_sum",
+    "kl_ref_sum",  # 0 when kl_coef is 0 (`_output` gives None then)
 )
 
 
@@ -180,14 +186,16 @@ def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
 
 
 def _row(out: PPOLossOutput) -> list[float]:
-    return [float(out.loss.detach())] + [float(getattr(out, k)) for k in _ROW[1:]]
+    return [float(out.loss.detach())] + [float(getattr(out, k) or 0.0) for k in _ROW[1:]]
 
 
-def _output(row: list[float]) -> PPOLossOutput:
+def _output(row: list[float], kl: bool) -> PPOLossOutput:
     fields = dict(zip(_ROW, row, strict=True))
     fields["loss"] = torch.tensor(fields["loss"], dtype=torch.float64)
     for k in ("n_tokens", "n_kept", "n_imp_masked"):
         fields[k] = int(fields[k])
+    if not kl:
+        fields["kl_ref_sum"] = None
     return PPOLossOutput(**fields)
 
 
@@ -223,20 +231,42 @@ class DeepSpeedTrainEngine:
         self.fwd = SeqForward.of_config(
             self.engine, cfg, dtype=torch_dtype, device=self.device, varlen=varlen
         )
+        self.ref_fwd = self._reference(torch_dtype) if cfg.loss_cfg.kl_coef > 0 else None
 
-    def _load_model(self, dtype: torch.dtype) -> tuple[torch.nn.Module, bool]:
+    def _load_model(
+        self, dtype: torch.dtype, ds_config: dict[str, Any] | None = None
+    ) -> tuple[torch.nn.Module, bool]:
         """The HF model; under ZeRO-3 built partitioned (``zero.Init`` via transformers'
-        ``HfDeepSpeedConfig``, scoped to this load) so no rank holds the full weights."""
+        ``HfDeepSpeedConfig`` of ``ds_config``, the engine's by default, scoped to this load)
+        so no rank holds the full weights."""
         cfg = self.cfg
         if cfg.zero_stage != 3:
             return load_causal_lm(cfg.model_path, dtype, cfg.attn_implementation)
         from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-        hf_ds = HfDeepSpeedConfig(self.ds_config)  # noqa: F841 (alive = zero3 loading on)
+        hf_ds = HfDeepSpeedConfig(ds_config or self.ds_config)  # noqa: F841 (alive = zero3 on)
         try:
             return load_causal_lm(cfg.model_path, dtype, cfg.attn_implementation)
         finally:
             unset_hf_deepspeed_config()
+
+    def _reference(self, dtype: torch.dtype) -> SeqForward:
+        """The frozen reference policy (the initial weights) for ``kl_coef`` > 0, forwarded as
+        the policy is: a plain copy on every rank under ZeRO-1/2 (the policy's weights are
+        whole on every rank there too), an optimizer-less ZeRO-3 engine under ZeRO-3."""
+        cfg = self.cfg
+        if cfg.zero_stage != 3:
+            ref, varlen = load_causal_lm(cfg.model_path, dtype, cfg.attn_implementation)
+            ref = ref.to(self.device).eval().requires_grad_(False)
+            return SeqForward.of_config(ref, cfg, dtype=dtype, device=self.device, varlen=varlen)
+        import deepspeed
+
+        ref_config = {k: v for k, v in self.ds_config.items() if k != "optimizer"}
+        ref, varlen = self._load_model(dtype, ref_config)
+        ref.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=ref, config=ref_config)
+        engine.module.eval()
+        return SeqForward.of_config(engine, cfg, dtype=dtype, device=self.device, varlen=varlen)
 
     # ---------------------------------------------------------------- protocol
     def compute_logp(self, seqs: list[TrainSeq], max_tokens_per_mb: int) -> list[torch.Tensor]:
@@ -291,10 +321,11 @@ class DeepSpeedTrainEngine:
         if self.world > 1:
             dist.all_reduce(rows)  # each row has exactly one writer
         table = rows.tolist()
+        kl = self.ref_fwd is not None
         outs, offset = [], 0
         for mbs, ok in zip(plans, applied, strict=True):
             if ok:
-                outs.extend(_output(r) for r in table[offset : offset + len(mbs)])
+                outs.extend(_output(r, kl) for r in table[offset : offset + len(mbs)])
             offset += len(mbs)
         all_mbs = [mb for mbs in plans for mb in mbs]
         tokens = sum(seq_len(s) for mb in all_mbs for s in mb)
@@ -348,6 +379,7 @@ class DeepSpeedTrainEngine:
                 self.version,
                 denom,
                 self.device,
+                ref_fwd=self.ref_fwd,
             )
             loss = out.loss * (float(self.world) if real else 0.0)
             if real:

@@ -395,3 +395,27 @@ def test_bf16_trains_with_fp32_master_weights(model_dir, tmp_path):
     assert {str(t.dtype) for t in weights_from_safetensors(got["weights"]).values()} == {
         "torch.bfloat16"
     }
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_kl_to_the_reference_matches_the_torch_engine(model_dir, tmp_path, zero_stage):
+    """`kl_coef` > 0: each rank's frozen reference (a plain copy under ZeRO-2, an optimizer-less
+    partitioned engine under ZeRO-3) gives `kl_ref` exactly 0 at step 1, and then the 1-rank
+    torch engine's KL, loss and weights within the same tolerance."""
+    batches = [make_batch(seed) for seed in (71, 72, 73)]
+    cfg = {
+        "zero_stage": zero_stage,
+        "n_minibatches": 1,  # step 1's one update comes after its loss: all of it at the start
+        "loss_cfg": PPOLossConfig(kl_coef=0.5, kl_estimator="k3"),
+    }
+    ref, _, ref_stats = torch_reference(model_dir, cfg, batches)
+    job = {"scenario": "parity", "model_dir": model_dir, "cfg": cfg, "batches": batches}
+    got = run_ranks(2, job, tmp_path)
+
+    assert got["stats"][0]["kl_ref"] == 0.0 == ref_stats[0]["kl_ref"]  # exactly, on every rank
+    assert got["ranks_agree"]
+    for g, w in zip(got["stats"], ref_stats, strict=True):
+        assert_stats_close(g, w)
+        assert abs(g["kl_ref"] - w["kl_ref"]) <= TOL * max(1.0, abs(w["kl_ref"]))
+    assert got["stats"][-1]["kl_ref"] > 0.0  # the policy moved away from the reference
+    assert max_weight_diff(got["weights"], ref.export_safetensors()) <= TOL
