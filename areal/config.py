@@ -687,9 +687,9 @@ class TrainSettings(_Part):
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads for the trainer")
     lora: LoraSettings | None = Field(
         None,
-        description="train a LoRA adapter instead of the full weights (torch and fsdp engines; "
-        "pip install 'areal-bus[lora]'): rollouts receive only the adapter per version, "
-        "final/ holds the merged model and adapter/; None = full weights",
+        description="train a LoRA adapter instead of the full weights (every engine, deepspeed "
+        "with zero_stage 1 or 2; pip install 'areal-bus[lora]'): rollouts receive only the "
+        "adapter per version, final/ holds the merged model and adapter/; None = full weights",
     )
 
     @model_validator(mode="after")
@@ -699,8 +699,11 @@ class TrainSettings(_Part):
                 f"train.nproc={self.nproc} needs a distributed engine: set train.engine=fsdp "
                 "or deepspeed, or train.nproc=1"
             )
-        if self.lora is not None and self.engine == "deepspeed":
-            raise ValueError("train.lora works with train.engine torch or fsdp, not deepspeed")
+        if self.lora is not None and self.engine == "deepspeed" and self.zero_stage == 3:
+            raise ValueError(
+                "train.lora with train.engine=deepspeed needs train.zero_stage 1 or 2 (ZeRO-3 "
+                "partitions the base weights): set train.zero_stage=2, or train.engine=fsdp"
+            )
         return self
 
 

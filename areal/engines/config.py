@@ -112,7 +112,7 @@ class TrainEngineConfig:
     zero_stage: int = 2  # DeepSpeed ZeRO stage 1..3 (deepspeed only; 0 has no non-finite guard)
     gradient_checkpointing: bool = False  # recompute decoder layers in backward (fsdp, deepspeed)
     activation_offload: bool = False  # saved activations to pinned CPU memory (fsdp, CUDA only)
-    lora: LoraSpec | None = None  # train a LoRA adapter only (torch, fsdp); None = full weights
+    lora: LoraSpec | None = None  # train a LoRA adapter only (deepspeed: ZeRO-1/2); None = full
 
     def __post_init__(self) -> None:
         if self.kind not in ("torch", "fsdp", "deepspeed"):
@@ -137,8 +137,11 @@ class TrainEngineConfig:
             raise ValueError(
                 f"temperature must be > 0 (use 1.0 for greedy rollouts), got {self.temperature}"
             )
-        if self.lora is not None and self.kind == "deepspeed":
-            raise ValueError("lora works with the torch and fsdp engines, not deepspeed")
+        if self.lora is not None and self.kind == "deepspeed" and self.zero_stage == 3:
+            raise ValueError(
+                "lora on deepspeed needs zero_stage 1 or 2 (ZeRO-3 partitions the base weights "
+                "the adapter is fingerprinted against)"
+            )
         if self.n_minibatches < 1 or self.fixed_mb_size < 1:
             raise ValueError(
                 "n_minibatches and fixed_mb_size must be >= 1, got "

@@ -34,6 +34,11 @@ Invariants:
   partitioned as the policy is (no rank holds the full reference). It is forwarded by the same
   `SeqForward` path in every pass, dummy passes too (ZeRO-3's gathers stay in step), so
   ``kl_ref`` is exactly 0 at step 1; its per-micro-batch sums travel in the stat rows.
+- With ``lora`` (ZeRO-1/2; `areal.engines.lora`) the adapter is injected before
+  ``deepspeed.initialize`` and is all the optimizer holds; exports are the adapter alone (what
+  is published), the HF dir holds the merged model and ``adapter/``; checkpoints hold the
+  adapter and its optimizer state (DeepSpeed's ``exclude_frozen_parameters``). ZeRO-3 with lora
+  is refused by the config (the base fingerprint needs the whole base on a rank).
 - Checkpoints are DeepSpeed directories (``<path>/<tag>/``, one optimizer shard per rank, on
   a filesystem every rank sees) with a ``latest`` pointer written atomically after every rank
   has written its shard: a crash mid-save leaves the previous checkpoint in force.
@@ -42,6 +47,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import shutil
@@ -56,7 +62,7 @@ import torch.distributed as dist
 from areal.algo.loss import PPOLossOutput, reduce_loss_stats
 from areal.engines.base import TrainSeq
 from areal.engines.config import TrainEngineConfig
-from areal.engines.hf_io import save_hf_dir
+from areal.engines.lora import adapter_of, lora_setup, save_lora_aware, set_lora_dropout
 from areal.engines.seq_forward import SeqForward, load_causal_lm, seq_len
 from areal.engines.torch_infer import resolve_dtype
 from areal.engines.torch_train import (
@@ -73,6 +79,7 @@ __all__ = ["DeepSpeedTrainEngine", "build_ds_config"]
 
 _SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's name of the JIT-built shared-memory comm op
 _LATEST = "latest"  # DeepSpeed's pointer file: the tag of the checkpoint in force
+_CONTENT = "areal.json"  # in a tag's dir: what its module state is (full weights or an adapter)
 # Per-micro-batch stat row: PPOLossOutput fields in this order (see `_row` / `_output`).
 _ROW = (
     "loss",
@@ -218,8 +225,11 @@ class DeepSpeedTrainEngine:
         self.ds_config = build_ds_config(cfg, on_cpu=self.device.type == "cpu")
         torch_dtype = resolve_dtype(cfg.dtype)
         model, varlen = self._load_model(torch_dtype)
+        self.adapter_meta = lora_setup(model, cfg)  # None without lora: every weight trains
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=self.ds_config
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=self.ds_config,
         )
         self.module: torch.nn.Module = self.engine.module
         self.module.eval()  # no dropout, as in TorchTrainEngine
@@ -279,6 +289,7 @@ class DeepSpeedTrainEngine:
         mbs = self.fwd.micro_batches(seqs, max_tokens_per_mb)
         n_pass = self._n_passes(len(mbs))
         dummy = [min(seqs, key=seq_len)]
+        set_lora_dropout(self.module, False)
         with torch.no_grad():
             for k in range(n_pass):
                 i = k * self.world + self.rank
@@ -305,6 +316,7 @@ class DeepSpeedTrainEngine:
         chunks = [c for c in split_contiguous(seqs, self.cfg.n_minibatches) if c]
         fill_prox_logp(chunks, cfg, self.cfg.prox_logp, self.compute_logp, max_tokens_per_mb)
         plans = [self._plan(chunk, max_tokens_per_mb) for chunk in chunks]
+        set_lora_dropout(self.module, True)  # the loss forwards only (a no-op without lora)
         n_rows = sum(len(p) for p in plans)
         rows = torch.zeros(n_rows + self.world, len(_ROW), dtype=torch.float64, device=self.device)
         applied, grad_norms, offset = [], [], 0
@@ -315,6 +327,7 @@ class DeepSpeedTrainEngine:
             if step_ok:
                 grad_norms.append(norm)
             offset += len(mbs)
+        set_lora_dropout(self.module, False)
         self.version += 1
 
         rows[n_rows + self.rank, 0] = time.perf_counter() - t0  # this rank's time, for the max
@@ -433,17 +446,23 @@ class DeepSpeedTrainEngine:
         return out if self.rank == 0 else None
 
     def export_safetensors(self) -> bytes:
-        """Full safetensors bytes on rank 0; b"" on the others (they take part in the gather)."""
+        """Full safetensors bytes on rank 0 (with lora: the adapter alone); b"" on the others
+        (they take part in the gather)."""
         from safetensors.torch import save
 
+        if self.adapter_meta is not None:  # ZeRO-1/2: the adapter is whole on every rank
+            if self.rank != 0:
+                return b""
+            return save(adapter_of(self.module.state_dict(), self.adapter_meta))
         state = self._full_state_dict()
         return save(state) if state is not None else b""
 
     def save_pretrained(self, path: str) -> None:
-        """Rank 0 writes the HF directory (``hf_io.save_hf_dir``); every rank must call this."""
+        """Rank 0 writes the HF directory (``hf_io.save_hf_dir``; with lora the merged model
+        and ``adapter/``); every rank must call this."""
         state = self._full_state_dict()
         if self.rank == 0:
-            save_hf_dir(self.module, state, self.model_path, path)
+            save_lora_aware(self.module, self.adapter_meta, self.model_path, path, state)
         self._barrier()
 
     def save_checkpoint(self, path: str) -> None:
@@ -452,7 +471,15 @@ class DeepSpeedTrainEngine:
         root = Path(path)
         tag = self._same_on_all_ranks(f"v{self.version}-{uuid.uuid4().hex[:8]}")
         client = {"version": self.version, "rng_cpu": torch.get_rng_state()}
-        self.engine.save_checkpoint(str(root), tag=tag, client_state=client, save_latest=False)
+        self.engine.save_checkpoint(
+            str(root),
+            tag=tag,
+            client_state=client,
+            save_latest=False,
+            exclude_frozen_parameters=self.adapter_meta is not None,  # lora: the adapter alone
+        )
+        if self.rank == 0:  # what the module state holds, read before a load touches it
+            (root / tag / _CONTENT).write_text(json.dumps({"lora": self._lora_tag()}))
         self._barrier()  # every shard is on disk before the pointer moves
         if self.rank == 0:
             tmp = root / f".{_LATEST}.tmp-{tag}"
@@ -473,7 +500,20 @@ class DeepSpeedTrainEngine:
                 "save_checkpoint)"
             )
         tag = pointer.read_text().strip()
-        _, client = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True)
+        content = Path(path) / tag / _CONTENT
+        held = json.loads(content.read_text()).get("lora") if content.is_file() else None
+        if held != self._lora_tag():
+            raise ValueError(
+                f"{path}/{tag}: a checkpoint of {held or 'full weights'}, this engine trains "
+                f"{self._lora_tag() or 'full weights'}: resume with the train.lora the "
+                "checkpoint was written with"
+            )
+        _, client = self.engine.load_checkpoint(
+            path,
+            tag=tag,
+            load_optimizer_states=True,
+            load_module_strict=self.adapter_meta is None,  # lora: the frozen base is not in it
+        )
         if client is None:
             raise ValueError(f"{path}/{tag}: DeepSpeed could not load the checkpoint")
         for group in self.optimizer.param_groups:
@@ -482,6 +522,13 @@ class DeepSpeedTrainEngine:
         torch.set_rng_state(client["rng_cpu"])
 
     # ------------------------------------------------------------------ helpers
+    def _lora_tag(self) -> str | None:
+        """What a checkpoint's module state is: None (full weights) or the adapter's shape."""
+        m = self.adapter_meta
+        if m is None:
+            return None
+        return f"a LoRA adapter (r {m.r}, alpha {m.alpha}, {', '.join(m.target_modules)})"
+
     def _barrier(self) -> None:
         if self.world > 1:
             dist.barrier()

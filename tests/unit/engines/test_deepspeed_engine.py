@@ -209,7 +209,40 @@ def _scenario_guard(job: dict) -> dict:
     }
 
 
+def _scenario_lora(job: dict) -> dict:
+    """An adapter trained on the ranks: exports, checkpoint and resume, the HF dir."""
+    first, rest = job["batches"][:1], job["batches"][1:]
+    ckpt = str(Path(job["tmp"]) / "ckpt")
+    eng = _ds_engine(job)
+    n_trainable = sum(p.numel() for p in eng.module.parameters() if p.requires_grad)
+    n_optimized = sum(p.numel() for g in eng.optimizer.param_groups for p in g["params"])
+    stats = _steps(eng, first)
+    eng.save_checkpoint(ckpt)
+    straight = _steps(eng, rest)
+    adapter = eng.export_safetensors()
+    eng.save_pretrained(str(Path(job["tmp"]) / "hf"))
+    resumed = _ds_engine(job)
+    resumed.load_checkpoint(ckpt)
+    again = _steps(resumed, rest)
+    full = _ds_engine({**job, "cfg": {k: v for k, v in job["cfg"].items() if k != "lora"}})
+    try:
+        full.load_checkpoint(ckpt)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {
+        "stats": stats + straight,
+        "again": again,
+        "adapter": adapter,
+        "adapter_again": resumed.export_safetensors(),
+        "n_trainable": n_trainable,
+        "n_optimized": n_optimized,  # this rank's ZeRO-2 partition of what trains
+        "refused": refused,
+    }
+
+
 SCENARIOS = {
+    "lora": _scenario_lora,
     "bf16": _scenario_bf16,
     "parity": _scenario_parity,
     "checkpoint": _scenario_checkpoint,
@@ -419,3 +452,37 @@ def test_kl_to_the_reference_matches_the_torch_engine(model_dir, tmp_path, zero_
         assert abs(g["kl_ref"] - w["kl_ref"]) <= TOL * max(1.0, abs(w["kl_ref"]))
     assert got["stats"][-1]["kl_ref"] > 0.0  # the policy moved away from the reference
     assert max_weight_diff(got["weights"], ref.export_safetensors()) <= TOL
+
+
+def test_lora_on_two_ranks_matches_the_torch_engine(model_dir, tmp_path):
+    """train.lora on ZeRO-2: only the adapter is in the optimizer and on the wire; 2 ranks give
+    the 1-process torch engine's stats and adapter; a checkpoint holds the adapter and its
+    optimizer state (resume is exact), and a full-weights engine refuses it."""
+    from areal.engines.config import LoraSpec
+    from areal.engines.lora import ADAPTER_KEY
+
+    batches = [make_batch(seed) for seed in (81, 82, 83)]
+    lora = LoraSpec(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+    cfg = {"zero_stage": 2, "lora": lora}
+    ref, _, ref_stats = torch_reference(model_dir, cfg, batches)
+    job = {"scenario": "lora", "model_dir": model_dir, "cfg": cfg, "batches": batches}
+    got = run_ranks(2, job, tmp_path)
+
+    for g, w in zip(got["stats"], ref_stats, strict=True):
+        assert_stats_close(g, w)
+    want = ref.export_safetensors()
+    assert ADAPTER_KEY in weights_from_safetensors(got["adapter"])
+    assert max_weight_diff(got["adapter"], want) <= TOL
+    assert got["n_trainable"] == sum(
+        p.numel() for p in ref.model.parameters() if p.requires_grad
+    )  # the adapter alone
+    assert 0 < got["n_optimized"] <= got["n_trainable"]  # no base weight in the optimizer
+    for a, b in zip(got["again"], got["stats"][1:], strict=True):
+        for k in STAT_KEYS:  # Adam's state came back with the adapter
+            assert a[k] == b[k], (k, a[k], b[k])
+    assert max_weight_diff(got["adapter_again"], got["adapter"]) == 0.0
+    assert "a LoRA adapter (r 4" in got["refused"] and "train.lora" in got["refused"]
+    hf = tmp_path / "hf"
+    assert (hf / "model.safetensors").is_file() and (
+        hf / "adapter" / "adapter_config.json"
+    ).is_file()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from areal.engines.base import GenRequest, SamplingParams, WeightUpdate
-from areal.engines.config import LoraSpec
+from areal.engines.config import LoraSpec, TrainEngineConfig
 from areal.engines.lora import (
     ADAPTER_KEY,
     inject_lora,
@@ -199,7 +199,7 @@ def test_checkpoint_holds_the_adapter_and_final_holds_merged_and_adapter(model_d
         )
 
 
-def test_train_lora_settings_reach_the_engine_config_and_deepspeed_is_refused():
+def test_train_lora_settings_reach_the_engine_config_and_zero3_is_refused():
     from pydantic import ValidationError
 
     from areal.config import TrainSettings
@@ -208,8 +208,11 @@ def test_train_lora_settings_reach_the_engine_config_and_deepspeed_is_refused():
     spec = LoraSpec(**t.lora.model_dump())
     assert (spec.r, spec.alpha, spec.target_modules, spec.scaling) == (8, 32.0, ("q_proj",), 4.0)
     assert TrainSettings().lora is None  # off by default
-    with pytest.raises(ValidationError, match="not deepspeed"):
-        TrainSettings(engine="deepspeed", lora={})
+    assert TrainSettings(engine="deepspeed", zero_stage=2, lora={}).lora is not None
+    with pytest.raises(ValidationError, match="needs train.zero_stage 1 or 2"):
+        TrainSettings(engine="deepspeed", zero_stage=3, lora={})
+    with pytest.raises(ValueError, match="lora on deepspeed needs zero_stage 1 or 2"):
+        TrainEngineConfig(kind="deepspeed", model_path="m", lr=1e-3, zero_stage=3, lora=spec)
     with pytest.raises(ValidationError):
         TrainSettings(lora={"r": 0})
     with pytest.raises(ValueError, match="nope_proj"):
