@@ -53,6 +53,44 @@ def test_two_deepspeed_ranks_train_with_exact_accounting(tmp_path):
     assert (engine / "latest").is_file()  # a DeepSpeed checkpoint
 
 
+def test_lora_with_kl_on_two_deepspeed_ranks_replays_through_one_process(tmp_path):
+    """train.lora + algo.kl_coef on ZeRO-2: the adapter alone is published each version, the
+    KL to the base model is 0 at step 1, and one torch process reproduces the losses and the
+    merged final model."""
+    from safetensors.torch import load_file
+
+    from areal.engines.lora import ADAPTER_KEY
+
+    out = tmp_path / "lora"
+    proc = start_run(
+        out,
+        *RANKS,
+        "train.total_steps=6",
+        "train.zero_stage=2",
+        "train.record_batches=true",
+        "train.n_minibatches=1",  # step 1's loss is all on the initial weights: KL exactly 0
+        "train.lr=1e-2",  # the adapter moves within 6 steps
+        "train.lora.r=4",
+        "algo.kl_coef=0.05",
+        "weights.transport=file",  # the published versions stay readable in out/weights
+    )
+    _, err = proc.communicate(timeout=900)  # hang guard
+    assert proc.returncode == 0, err.decode()[-3000:]
+    summary = check_invariants(out, eta=4, B=16)
+    assert summary["steps"] == 6
+    recs = records(out)
+    assert recs[0]["kl_ref"] == 0.0 and recs[-1]["kl_ref"] > 0.0
+    assert_matches_one_process(out, weights_atol=1e-4)
+    final = out / "final"
+    assert (final / "adapter" / "adapter_config.json").is_file()
+    assert ADAPTER_KEY not in load_file(str(final / "model.safetensors"))  # a plain HF model
+    published = sorted((out / "weights").glob("v*.safetensors"))
+    assert published  # the newest versions are kept
+    for path in published:
+        tensors = load_file(str(path))
+        assert ADAPTER_KEY in tensors and all(".lora_" in k for k in set(tensors) - {ADAPTER_KEY})
+
+
 def test_rank1_sigkilled_mid_run_resumes_from_the_deepspeed_checkpoint(tmp_path):
     out = tmp_path / "kill"
     proc = start_run(

@@ -34,8 +34,8 @@ def assert_matches_one_process(
 ) -> None:
     """Replay the run's recorded batches through the torch engine (one process) built from
     the run's own config: every step's loss as metrics.jsonl has it within `atol` plus
-    `rtol` x the loss, and the final weights as the run published them (`out/final`) within
-    `weights_atol` (`atol`).
+    `rtol` x the loss, and the final weights as the run published them (`out/final`; under
+    `train.lora` the merged model) within `weights_atol` (`atol`).
 
     The ranks sum their gradients in another order than one process does, so the weights
     drift apart by ~5e-7 a step, and a later step's loss by more: a 2-rank FSDP run's step 10
@@ -57,7 +57,14 @@ def assert_matches_one_process(
         assert abs(got["loss"] - ran["loss"]) <= tol, (ran["step"], got["loss"], ran["loss"])
         worst_loss = max(worst_loss, abs(got["loss"] - ran["loss"]))
     final = load_file(str(out / "final" / "model.safetensors"))
-    ref = reference.export_state_dict()
+    meta = getattr(reference, "adapter_meta", None)
+    if meta is None:
+        ref = reference.export_state_dict()
+    else:  # train.lora: final/ holds the merged model, as save_lora_aware writes it
+        from areal.engines.hf_io import export_plain
+        from areal.engines.lora import merged_state_dict
+
+        ref = export_plain(merged_state_dict(reference.model.state_dict(), meta.alpha / meta.r))
     assert final.keys() == ref.keys()
     worst = max((final[k].float() - ref[k].float()).abs().max().item() for k in ref)
     print(
