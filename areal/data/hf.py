@@ -28,10 +28,11 @@ import contextlib
 import glob
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from areal.data.contained import check_contained_file, contained_files, share_root
 from areal.data.datasets import Record, record_of
 
 __all__ = [
@@ -145,10 +146,14 @@ def _base_and_rest(where: str) -> tuple[str, str]:
     return where, ""
 
 
-def hf_files(where: str) -> dict[str, Path]:
+def hf_files(where: str, *, forbidden: Iterable[str | Path | None] = ()) -> dict[str, Path]:
     """The files `hf:<where>` reads, by their path under its base folder (`_base_and_rest`): a
     copy of them in a folder D reads as `hf:<hf_where_in(where, D)>`, the same dataset. A hub
-    name's base is its cached snapshot (links followed)."""
+    name's base is its cached snapshot, whose links into the repo's `blobs/` are followed.
+
+    Nothing outside the base folder (the hub repo folder for a snapshot) is ever returned: a link
+    that leads out, a special file, a file in a `forbidden` folder raise `EscapingPath`
+    (`areal.data.contained`)."""
     problem = hf_spec_error(where)
     if problem:
         raise FileNotFoundError(problem)
@@ -158,12 +163,19 @@ def hf_files(where: str) -> dict[str, Path]:
         snap = hub_snapshot(where)
         assert snap is not None
         base = snap
+    within = share_root(base)
     if _GLOB.search(where):
-        picked = _glob_files(where)
+        picked = []
+        for p in _glob_files(where):
+            if p.is_dir() and not p.is_symlink():
+                continue  # `**` matches folders too; their files match on their own
+            picked.append(check_contained_file(p, within=within, forbidden=forbidden))
     else:
         target = base / rest if rest else base
         picked = (
-            sorted(p for p in target.rglob("*") if p.is_file()) if target.is_dir() else [target]
+            contained_files(target, within=within, forbidden=forbidden)
+            if target.is_dir()
+            else [check_contained_file(target, within=within, forbidden=forbidden)]
         )
     return {p.relative_to(base).as_posix(): p for p in picked}
 

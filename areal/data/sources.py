@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from areal.data.contained import check_contained_file
 from areal.data.datasets import Record
 from areal.data.tasks import SYNTHETIC_TASKS, TaskItem, TaskSource
 
@@ -269,21 +271,22 @@ def reads_files(spec: str) -> bool:
     return kind not in ("synthetic", "reasoning_gym")
 
 
-def source_files(spec: str) -> dict[str, Path]:
+def source_files(spec: str, *, forbidden: Iterable[str | Path | None] = ()) -> dict[str, Path]:
     """The local files `spec` reads, by their path under the folder a copy puts them in (what
     `areal run` shares with workers on other hosts): a .jsonl / .parquet file, the file of
     `champ:<file>` / `humaneval:<file>`, the files of an `hf:` dataset (`areal.data.hf.hf_files`:
     a folder's, a glob's, a cached hub dataset's snapshot); {} for a procedural source or a
-    packaged data set."""
+    packaged data set. Each is a regular file in its folder and in no `forbidden` one, else
+    `areal.data.contained.EscapingPath`."""
     if not reads_files(spec):
         return {}
     kind, sep, arg = spec.partition(":")
     if kind == "hf" and sep:
         from areal.data.hf import hf_files
 
-        return hf_files(arg)
+        return hf_files(arg, forbidden=forbidden)
     path = Path(arg) if kind in ("champ", "humaneval") else Path(spec)
-    return {path.name: path}
+    return {path.name: check_contained_file(path, forbidden=forbidden)}
 
 
 def with_copy(spec: str, copy_dir: Path | str) -> str:

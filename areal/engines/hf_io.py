@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from areal.data.contained import contained_files
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -62,8 +64,10 @@ def save_hf_dir(
     tmp = dst.with_name(f".{dst.name}.tmp-{tag}")
     try:
         model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        for f in sorted(Path(src_model_dir).iterdir()):
-            if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not (tmp / f.name).exists():
+        for f in contained_files(src_model_dir):  # no link out of it (areal.data.contained)
+            if f.parent != Path(src_model_dir) or f.name.endswith(WEIGHT_SUFFIXES):
+                continue
+            if not (tmp / f.name).exists():
                 shutil.copy2(f, tmp / f.name)
         if extra is not None:
             extra(tmp)

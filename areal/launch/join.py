@@ -13,6 +13,10 @@ Invariants:
 - the files are shared before any worker starts, so a worker that joins while the run goes on
   finds them; the model and each data source's files are shared while their running total is at
   most `nats.share_max_bytes` (model first, a source's files all or none), the config always;
+- nothing outside the model dir or a data source's folder is shared: a link that leads out (to
+  the run's keys, say), a special file, or a file in the run's keys or credentials folders fails
+  the share (and `areal run`'s preflight, before anything starts) naming the path
+  (`run_folder_files`, `areal.data.contained`);
 - the run's keys never travel on the bus (anyone on it could read the ids secret, or swap the
   verify key for their own): a worker on another host is given a copy of the keys dir without
   the signing key (`--set security.keys_dir=DIR`, as the launcher's join hint says), and one
@@ -67,8 +71,22 @@ class JoinError(ValueError):
     """A worker cannot join the run as asked; the message names the fix."""
 
 
-def _files_of(model_dir: Path) -> list[Path]:
-    return sorted(p for p in model_dir.rglob("*") if p.is_file())
+def run_folder_files(settings: RunSettings) -> tuple[list[Path], dict[str, dict[str, Path]]]:
+    """The model dir's files and each data source's (`DATA_FIELDS`), every one inside its own
+    folder and none of the run's secrets (`areal.data.contained`: a link that leads out raises
+    `EscapingPath` naming it). What `shared_files` shares and the preflight checks at start."""
+    from areal.data.contained import contained_files
+    from areal.data.sources import source_files
+    from areal.security.keys import secret_paths
+
+    secrets = secret_paths(settings)
+    model = settings.model.path
+    model_files = [] if model is None else contained_files(model, forbidden=secrets)
+    data: dict[str, dict[str, Path]] = {}
+    for name in DATA_FIELDS:
+        spec = getattr(settings.data, name)
+        data[name] = {} if spec is None else source_files(spec, forbidden=secrets)
+    return model_files, data
 
 
 def portable_config(settings: RunSettings) -> dict[str, Any]:
@@ -94,7 +112,7 @@ def shared_files(settings: RunSettings) -> dict[str, bytes | Path]:
     }
     budget = settings.nats.share_max_bytes
     model_dir = Path(settings.model.path)
-    model_files = _files_of(model_dir)
+    model_files, data_files = run_folder_files(settings)
     model_bytes = sum(p.stat().st_size for p in model_files)
     if model_bytes <= budget:
         budget -= model_bytes
@@ -103,11 +121,9 @@ def shared_files(settings: RunSettings) -> dict[str, bytes | Path]:
         )
     else:
         log.warning("model_not_shared", bytes=model_bytes, share_max_bytes=budget)
-    from areal.data.sources import source_files
-
     for name in DATA_FIELDS:
         spec = getattr(settings.data, name)
-        data = {} if spec is None else source_files(spec)
+        data = data_files[name]
         size = sum(p.stat().st_size for p in data.values())
         if not data:
             continue

@@ -148,11 +148,33 @@ def check_model_dir(s: RunSettings) -> None:
         )
 
 
+def check_folders_contained(s: RunSettings) -> None:
+    """The model dir and the data sources' files stay inside their folders and hold none of the
+    run's secrets (`areal.data.contained`): the run shares them on the bus, where every role can
+    read them. File system only; nothing is read."""
+    from areal.data.contained import EscapingPath, contained_files
+    from areal.data.sources import source_files
+    from areal.security.keys import secret_paths
+
+    secrets = secret_paths(s)
+    named = [("model.path", s.model.path, None)]
+    named += [(f"data.{n}", None, getattr(s.data, n)) for n in ("source", "eval_source")]
+    for setting, folder, spec in named:
+        try:
+            if folder is not None:
+                contained_files(folder, forbidden=secrets)
+            if spec is not None:
+                source_files(spec, forbidden=secrets)
+        except EscapingPath as e:
+            raise ConfigError(f"config error: {setting}: {e}") from None
+
+
 def check_run(s: RunSettings) -> None:
     """Everything `areal run` can check before it touches `--out` or starts a worker."""
     check_extras(s)
     check_model_dir(s)
     check_data_source(s)
+    check_folders_contained(s)
     check_reward(s)
     check_workflow(s)
     check_algo(s)

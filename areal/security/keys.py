@@ -262,6 +262,16 @@ def keys_dir_of(settings: RunSettings) -> Path:
     return Path(settings.security.keys_dir or Path(settings.out_dir) / KEYS_SUBDIR)
 
 
+def secret_paths(settings: RunSettings) -> tuple[Path, ...]:
+    """What a run must never share or copy into a model: its keys dir, `<out_dir>/keys` (where
+    the embedded server's per-role NATS credentials go, whatever `security.keys_dir` says), and
+    the NATS credentials and TLS key files it was given."""
+    n = settings.nats
+    named = (n.credentials_dir, n.credentials_file, n.tls_key_file)
+    default = Path(settings.out_dir) / KEYS_SUBDIR
+    return (keys_dir_of(settings), default, *(Path(p) for p in named if p))
+
+
 def keys_for_worker(settings: RunSettings, role: str) -> RunKeys | None:
     """The keys a worker of `role` holds: the trainer with its signing key, every other role
     without it. A role that signs or reads weights (`WEIGHTS_ROLES`) needs them while

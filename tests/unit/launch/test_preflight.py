@@ -119,6 +119,61 @@ def test_model_path_without_config_json(tmp_path):
     check_model_dir(s)
 
 
+def test_a_model_dir_linking_to_the_runs_key_is_refused_naming_the_link(tmp_path):
+    from areal.security.keys import ensure_run_keys
+
+    out = tmp_path / "runs" / "exp"
+    ensure_run_keys(out / "keys")  # an earlier launch of the run left its keys
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").symlink_to(out / "keys" / "weights_signing.key")
+    s = load_settings(None, [f"model.path={model}", f"out_dir={out}"])
+    with pytest.raises(
+        ConfigError, match=r"model.path: .*tokenizer\.json leads to the run's secret"
+    ) as e:
+        check_run(s)
+    _one_line(e)
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").symlink_to(out / "keys" / "new.key")  # not there yet: dangling
+    with pytest.raises(ConfigError, match="dangling"):
+        check_run(s)
+
+
+def test_a_data_source_linking_out_is_refused(tmp_path):
+    secret = tmp_path / "runs" / "exp" / "keys" / "nats" / "trainer.json"
+    secret.parent.mkdir(parents=True)
+    secret.write_text("{}")
+    link = tmp_path / "tasks.jsonl"
+    link.symlink_to(secret)
+    s = load_settings(None, [f"data.source={link}", f"out_dir={tmp_path / 'runs' / 'exp'}"])
+    with pytest.raises(ConfigError, match=r"data.source: .*tasks\.jsonl leads to the run's secret"):
+        check_run(s)
+
+
+def test_a_live_run_with_a_linked_key_refuses_to_start(tmp_path):
+    """`areal run` itself: exit 2 with one line naming the link, before anything starts (no
+    server, no worker, nothing shared; --out keeps only what the earlier launch left)."""
+    from areal.security.keys import ensure_run_keys
+
+    out = tmp_path / "runs" / "exp"
+    ensure_run_keys(out / "keys")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "vocab.txt").symlink_to(out / "keys" / "weights_signing.key")
+    res = subprocess.run(
+        [sys.executable, "-m", "areal.cli", "run", str(ROOT / "examples" / "arithmetic.yaml"),
+         "--out", str(out), "--resume", "--set", f"model.path={model}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if "vocab.txt" in ln]
+    assert len(lines) == 1 and "leads to the run's secret" in lines[0] and "model.path" in lines[0]
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+
+
 def _jsonl(tmp_path: Path, records: list[dict], name: str = "data.jsonl") -> Path:
     p = tmp_path / name
     p.write_text("".join(json.dumps(r) + "\n" for r in records))
