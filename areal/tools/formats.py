@@ -14,6 +14,10 @@ Invariants:
 - `parse(text)` never raises: it returns the calls of the turn (none: the turn is an answer)
   or why the turn holds a call that cannot be read (`malformed`: no closing tag, bad JSON, no
   name, an opening without a call), which a workflow ends with `bad_tool_call` or feeds back.
+- Bounded work: a call's JSON text over `MAX_CALL_CHARS` characters or nested over
+  `MAX_JSON_DEPTH` deep (`[`/`{` outside strings, counted in linear time before decoding) is
+  malformed, naming the bound; so is an OpenAI-style arguments string past them
+  (`bad_arguments`). No text reaches the recursive decoder deeper than the bound.
 - Parsing needs no tool list: an unknown name parses, and the runner reports `unknown_tool`.
 - `chat`: a call's `arguments` is the value of the tool's one string parameter when the object
   (or a JSON string of it, OpenAI style) has just that key, or one string value under another
@@ -123,6 +127,9 @@ class TagsFormat:
 # --- chat -----------------------------------------------------------------------------------
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+MAX_JSON_DEPTH = 64  # of `[`/`{` nesting in a call's JSON; Python's decoder recurses per level
+MAX_CALL_CHARS = 1 << 20  # of one call's JSON text (between the tags)
+_JSON_SPECIAL_RE = re.compile(r'[\[\]{}"\\]')
 
 
 class ChatFormat:
@@ -158,7 +165,9 @@ class ChatFormat:
 
     def _call(self, body: str, raw: str) -> tuple[ToolCall | None, str]:
         try:
-            obj = json.loads(body)
+            obj = _bounded_json(body)
+        except JsonTooBig as e:
+            return None, f"a tool call whose JSON is {e}"
         except ValueError as e:
             return None, f"a tool call that is not JSON ({e})"
         if not isinstance(obj, dict):
@@ -176,7 +185,9 @@ class ChatFormat:
             if t is None or t.parameter is None or not args.lstrip().startswith("{"):
                 return args, None
             try:  # OpenAI style: the arguments object as a JSON string
-                args = json.loads(args)
+                args = _bounded_json(args)
+            except JsonTooBig as e:
+                return args, f"{name}: its arguments as JSON text are {e}"
             except ValueError:
                 return args, None
         as_json = json.dumps(args, ensure_ascii=False)
@@ -211,6 +222,50 @@ def make_format(name: str, tools: Mapping[str, Tool] | None = None) -> TagsForma
     if name == "chat":
         return ChatFormat(tools)
     raise ValueError(f"unknown tool-call format {name!r}: one of {', '.join(FORMATS)}")
+
+
+class JsonTooBig(ValueError):
+    """JSON text past `MAX_CALL_CHARS` or `MAX_JSON_DEPTH`, refused before decoding."""
+
+
+def json_depth(text: str, *, stop_over: int | None = None) -> int:
+    """The deepest `[`/`{` nesting of `text` outside JSON strings, in one linear pass (an
+    upper bound for text that is not JSON); past `stop_over` it returns at once."""
+    depth = deepest = 0
+    in_string = False
+    escaped_at = -1  # the index of the character a backslash in a string escapes
+    for m in _JSON_SPECIAL_RE.finditer(text):
+        ch, i = m.group(), m.start()
+        if in_string:
+            if i == escaped_at:
+                continue
+            if ch == "\\":
+                escaped_at = i + 1
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if stop_over is not None and deepest > stop_over:
+                return deepest
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def _bounded_json(text: str) -> Any:
+    """`json.loads(text)` within the bounds: `JsonTooBig` past them (checked first, in linear
+    time), `ValueError` for text that is not JSON, never a RecursionError."""
+    if len(text) > MAX_CALL_CHARS:
+        raise JsonTooBig(f"over {MAX_CALL_CHARS} characters ({len(text)})")
+    if json_depth(text, stop_over=MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise JsonTooBig(f"nested over {MAX_JSON_DEPTH} deep")
+    try:
+        return json.loads(text)
+    except RecursionError:  # a deep stack already; the bound keeps this from happening
+        raise JsonTooBig(f"nested too deep to decode here (bound {MAX_JSON_DEPTH})") from None
 
 
 def _short(text: str, n: int = 80) -> str:

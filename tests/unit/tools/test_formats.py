@@ -7,10 +7,21 @@ import asyncio
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from areal.data.tokenizer import build_char_tokenizer, char_vocab
 from areal.tools import ToolCall, ToolRunner, make_format, resolve_tools
-from areal.tools.formats import CLOSE, ChatFormat, TagsFormat
+from areal.tools.formats import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    CLOSE,
+    MAX_CALL_CHARS,
+    MAX_JSON_DEPTH,
+    ChatFormat,
+    ParsedTurn,
+    TagsFormat,
+)
 from areal.workflows.api import ToolCallRecord
 
 TOOLS = resolve_tools(["calc", "python"])
@@ -158,3 +169,94 @@ def test_make_format():
     assert make_format("tags").name == "tags" and make_format("chat", TOOLS).tools == TOOLS
     with pytest.raises(ValueError, match="one of tags, chat"):
         make_format("xml")
+
+
+# --- hostile text: parse never raises ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("open_ch", ["[", "{"])
+def test_chat_deep_nesting_is_malformed_not_a_recursion_error(open_ch):
+    text = f"{CALL_OPEN}{open_ch * 2000}{CALL_CLOSE}"  # about 2 KB
+    turn = ChatFormat(TOOLS).parse(text)
+    assert turn.calls == () and f"nested over {MAX_JSON_DEPTH} deep" in turn.malformed
+
+
+def test_chat_deep_nesting_inside_arguments_json_text_is_bad_arguments():
+    # OpenAI style: the arguments object as a JSON string, itself nested 2000 deep
+    nested = '{"expression": ' + "[" * 2000 + "]" * 2000 + "}"
+    call = ChatFormat(TOOLS).parse(chat_call({"name": "calc", "arguments": nested})).calls[0]
+    assert call.bad_arguments is not None and f"over {MAX_JSON_DEPTH} deep" in call.bad_arguments
+
+
+def test_chat_nesting_at_the_bound_still_parses():
+    args = "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1)  # + the call object: the bound
+    text = f'{CALL_OPEN}{{"name": "search", "arguments": {args}}}{CALL_CLOSE}'
+    assert ChatFormat(TOOLS).parse(text).calls[0].name == "search"
+    # brackets inside strings are text, not nesting
+    text = chat_call({"name": "calc", "arguments": {"expression": "[{" * 5000}})
+    assert ChatFormat(TOOLS).parse(text).calls[0].arguments == "[{" * 5000
+
+
+def test_chat_an_oversized_call_is_malformed():
+    body = json.dumps({"name": "python", "arguments": {"code": "x" * MAX_CALL_CHARS}})
+    turn = ChatFormat(TOOLS).parse(f"{CALL_OPEN}{body}{CALL_CLOSE}")
+    assert turn.calls == () and f"over {MAX_CALL_CHARS} characters" in turn.malformed
+
+
+_HOSTILE = st.lists(
+    st.sampled_from(
+        [
+            CALL_OPEN,
+            CALL_CLOSE,
+            "[",
+            "]",
+            "{",
+            "}",
+            '"',
+            "\\",
+            ":",
+            ",",
+            "'",
+            "<",
+            ">",
+            CLOSE,
+            '"name"',
+            '"arguments"',
+            '"calc"',
+            '"python"',
+            "<calc>",
+            "<r>",
+            "</r>",
+            "1",
+            " ",
+            "\\u",
+            "\ud800",
+            "é",
+            "null",
+        ]
+    )
+    | st.text(max_size=8)
+    | st.builds(lambda ch, n: ch * n, st.sampled_from("[{"), st.sampled_from([2, 64, 65, 2000])),
+    max_size=200,
+).map("".join)
+
+
+_CALLISH = st.builds(  # hostile text inside a call's tags, so the JSON decoder sees it
+    lambda pre, body, post: f"{pre}{CALL_OPEN}{body}{CALL_CLOSE}{post}",
+    _HOSTILE,
+    _HOSTILE,
+    _HOSTILE,
+)
+
+
+@pytest.mark.parametrize("fmt", ["tags", "chat", "chat-no-tools"])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.text() | _HOSTILE | _CALLISH, closed=st.booleans())
+def test_parse_never_raises(fmt, text, closed):
+    """The module's first invariant, over arbitrary and call-shaped text."""
+    if fmt == "tags":
+        turn = TagsFormat().parse(text, closed=closed)
+    else:
+        turn = ChatFormat(TOOLS if fmt == "chat" else None).parse(text)
+    assert isinstance(turn, ParsedTurn)
+    assert turn.malformed is None or isinstance(turn.malformed, str)
