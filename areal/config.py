@@ -601,12 +601,23 @@ class RewardSettings(_Part):
         return self
 
 
+# The largest train.lora.alpha, and of the alpha a rollout accepts with a received adapter
+# (`areal.engines.lora.check_adapter`): usual values are r to 2r (16-512); 1e4 leaves room
+# for any sane choice and keeps (alpha / r) B A far from float32's range.
+MAX_LORA_ALPHA = 1e4
+
+
 class LoraSettings(_Part):
     """A LoRA adapter (`train.lora`): only it trains and only it is published per version."""
 
     r: int = Field(16, ge=1, le=1024, description="rank of the adapter's A [r, in] and B [out, r]")
     alpha: float = Field(
-        32.0, gt=0, description="scale of the update: W = W0 + (alpha / r) B A, by alpha / r"
+        32.0,
+        gt=0,
+        le=MAX_LORA_ALPHA,
+        allow_inf_nan=False,
+        description="scale of the update: W = W0 + (alpha / r) B A, by alpha / r; finite, "
+        f"in (0, {MAX_LORA_ALPHA:g}] (a rollout refuses an adapter past it)",
     )
     dropout: float = Field(
         0.0, ge=0, lt=1, description="dropout on the adapter's input in the loss forward only"

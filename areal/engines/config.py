@@ -11,11 +11,13 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from areal.algo.loss import LossSettings, PPOLossConfig
 from areal.algo.loss_norm import LOSS_NORMS
+from areal.config import MAX_LORA_ALPHA
 
 __all__ = ["InferenceEngineConfig", "LoraSpec", "TrainEngineConfig"]
 
@@ -63,15 +65,20 @@ class LoraSpec:
     """The adapter a trainer trains (``train.lora``)."""
 
     r: int = 16  # rank of A [r, in] and B [out, r], >= 1
-    alpha: float = 32.0  # scale of the update: W = W0 + (alpha / r) B A, > 0
+    alpha: float = 32.0  # scale of the update: W = W0 + (alpha / r) B A, in (0, MAX_LORA_ALPHA]
     dropout: float = 0.0  # dropout on the adapter's input in the loss forward, [0, 1)
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def __post_init__(self) -> None:
-        if self.r < 1 or self.alpha <= 0 or not 0.0 <= self.dropout < 1.0:
+        if not (
+            self.r >= 1
+            and math.isfinite(self.alpha)
+            and 0 < self.alpha <= MAX_LORA_ALPHA
+            and 0.0 <= self.dropout < 1.0
+        ):
             raise ValueError(
-                f"lora needs r >= 1, alpha > 0 and dropout in [0, 1), got r={self.r}, "
-                f"alpha={self.alpha}, dropout={self.dropout}"
+                f"lora needs r >= 1, alpha finite in (0, {MAX_LORA_ALPHA:g}] and dropout in "
+                f"[0, 1), got r={self.r}, alpha={self.alpha}, dropout={self.dropout}"
             )
         if not self.target_modules:
             raise ValueError("lora.target_modules is empty: name the linear layers to adapt")

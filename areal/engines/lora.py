@@ -13,6 +13,9 @@ whatever wrapper the trainer uses (PEFT's ``base_layer``/``default`` names are n
 Invariants:
 - applying an adapter is ``W = W0 + (alpha / r) * B @ A`` from the pristine base weight ``W0``
   (never from the live one), so adapters of successive versions never accumulate;
+- an adapter's metadata is checked as its tensors are: a rollout refuses one whose r is not
+  an integer >= 1 matching A and B, whose alpha is not finite in (0, `MAX_LORA_ALPHA`], or
+  whose update could leave float32's range, before it touches a weight;
 - the base fingerprint (names, shapes and the first row of every weight, in bfloat16) is the
   same for the trainer's fp32 copy and a rollout's bf16 copy of one model dir; a rollout refuses
   an adapter whose fingerprint, module names or shapes do not match its own base.
@@ -22,11 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import torch
 
+from areal.config import MAX_LORA_ALPHA
 from areal.engines.config import LoraSpec, TrainEngineConfig
 from areal.engines.hf_io import export_plain, save_hf_dir
 from areal.engines.weights_check import TensorSpec, WeightsMismatch, all_finite
@@ -45,6 +50,7 @@ __all__ = [
     "merge_adapter",
     "merged_state_dict",
     "meta_of",
+    "meta_problems",
     "save_lora_aware",
     "save_peft_adapter",
     "set_lora_dropout",
@@ -70,10 +76,15 @@ class AdapterMeta:
     def from_tensor(cls, t: torch.Tensor) -> AdapterMeta:
         try:
             raw = json.loads(bytes(t.to(torch.uint8).tolist()))
+            r, alpha = raw["r"], raw["alpha"]
+            if isinstance(r, bool) or not isinstance(r, int):  # no silent int(2.5) == 2
+                raise ValueError(f"r {r!r} is not an integer")
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+                raise ValueError(f"alpha {alpha!r} is not a number")
             return cls(
                 base=str(raw["base"]),
-                r=int(raw["r"]),
-                alpha=float(raw["alpha"]),
+                r=r,
+                alpha=float(alpha),
                 target_modules=tuple(raw["target_modules"]),
             )
         except (ValueError, KeyError, TypeError) as e:
@@ -235,10 +246,16 @@ def check_adapter(
     what: str = "adapter",
 ) -> AdapterMeta:
     """Raise `WeightsMismatch` unless ``state_dict`` is an adapter for this base: the same
-    fingerprint, A and B of every module a [r, in] / [out, r] pair for a weight of the base,
-    finite values. Returns its metadata."""
-    meta = meta_of(state_dict)
-    problems = []
+    fingerprint, metadata that can be merged (`meta_problems`), A and B of every module a
+    [r, in] / [out, r] pair for a weight of the base, finite values, and an update
+    ``(alpha / r) B A`` whose entries are bounded within float32 (``r * s * max|B| * max|A|``).
+    Returns its metadata."""
+    try:
+        meta = meta_of(state_dict)
+    except WeightsMismatch as e:
+        raise WeightsMismatch(f"{what} does not fit the model: {e} (nothing was loaded)") from None
+    problems = meta_problems(meta)
+    mergeable = not problems
     if meta.base != fingerprint:
         problems.append(
             f"it was trained on another base model ({meta.base[:12]}, this one {fingerprint[:12]})"
@@ -266,6 +283,10 @@ def check_adapter(
             problems.append(f"{m}: A is not finite floats")
         elif not all_finite(b):
             problems.append(f"{m}: NaN or inf in B")
+        elif mergeable and (bound := _update_bound(a, b, meta)) >= _FLOAT32_MAX:
+            problems.append(
+                f"{m}: (alpha / r) B A would overflow float32 (|entries| <= {bound:.3g})"
+            )
         if len(problems) >= 5:
             break
     if problems:
@@ -274,6 +295,37 @@ def check_adapter(
             "train the adapter on the rollout's model.path)"
         )
     return meta
+
+
+def meta_problems(meta: AdapterMeta) -> list[str]:
+    """Why an adapter's metadata cannot be merged (empty: it can): r an integer >= 1, alpha
+    finite in (0, `MAX_LORA_ALPHA`] (the bound `train.lora.alpha` has), alpha / r finite."""
+    problems = []
+    if meta.r < 1:
+        problems.append(f"r {meta.r} is below 1 (the update divides by it)")
+    if not math.isfinite(meta.alpha):
+        problems.append(f"alpha {_num(meta.alpha)} is not a finite number")
+    elif not 0 < meta.alpha <= MAX_LORA_ALPHA:
+        problems.append(f"alpha {_num(meta.alpha)} is not in (0, {MAX_LORA_ALPHA:g}]")
+    elif meta.r >= 1 and not math.isfinite(meta.alpha / meta.r):
+        problems.append(f"the scaling alpha / r = {_num(meta.alpha / meta.r)} is not finite")
+    return problems
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _update_bound(a: torch.Tensor, b: torch.Tensor, meta: AdapterMeta) -> float:
+    """An upper bound on ``|(alpha / r) B A|`` entrywise: r terms of at most s max|B| max|A|
+    (float64 arithmetic; inf past float64)."""
+    if not a.numel() or not b.numel():
+        return 0.0
+    max_a, max_b = float(a.detach().abs().max()), float(b.detach().abs().max())
+    return meta.r * (meta.alpha / meta.r) * max_b * max_a
+
+
+def _num(x: float) -> str:
+    return "NaN" if math.isnan(x) else f"{x:g}"
 
 
 @torch.no_grad()

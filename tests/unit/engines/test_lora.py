@@ -166,6 +166,21 @@ def test_an_adapter_for_another_base_or_shape_is_refused(model_dir, tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in eng.model.state_dict().items())
 
 
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), 1e38])
+def test_an_adapter_with_bad_alpha_is_refused_and_the_live_weights_stay_finite(model_dir, alpha):
+    from dataclasses import replace
+
+    good = lora_trainer(model_dir).export_state_dict()
+    bad = dict(good)
+    bad[ADAPTER_KEY] = replace(meta_of(good), alpha=alpha).to_tensor()
+    eng = infer_engine(model_dir)
+    before = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    with pytest.raises(WeightsMismatch, match="alpha"):
+        eng.load_weights(WeightUpdate(version=1, state_dict=bad))
+    assert eng.version == 0
+    assert all(torch.equal(v, before[k]) for k, v in eng.model.state_dict().items())
+
+
 def test_checkpoint_holds_the_adapter_and_final_holds_merged_and_adapter(model_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
