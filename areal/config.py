@@ -356,7 +356,43 @@ class AlgoSettings(_Part):
     eps_clip_low: float = Field(0.2, gt=0, lt=1, description="PPO clip range below 1")
     eps_clip_high: float = Field(0.2, gt=0, description="PPO clip range above 1")
     behav_imp_weight_cap: float | None = Field(
-        5.0, gt=1, description="mask tokens whose behaviour importance weight exceeds this"
+        5.0,
+        gt=1,
+        description="upper bound of the behaviour importance weight w = exp(prox - behav): "
+        "tokens above it are dropped (behav_imp_weight_mode=mask) or clamped to it (truncate); "
+        "None = no upper bound",
+    )
+    behav_imp_weight_floor: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="lower bound of w, handled as the cap (MIS/TIS lower bound); None = none",
+    )
+    behav_imp_weight_level: Literal["token", "sequence", "geometric"] = Field(
+        "token",
+        description="what the bounds judge (areal.algo.behav_weight): token (each w_t, AReaL), "
+        "sequence (the sample's product of w_t), geometric (its geometric mean: one long answer "
+        "is judged as a short one)",
+    )
+    behav_imp_weight_mode: Literal["mask", "truncate"] = Field(
+        "mask",
+        description="outside the bounds: mask (drop the token, or the sample's tokens; MIS, "
+        "AReaL's cap) or truncate (clamp the weight into the bounds and keep it; TIS)",
+    )
+    m2po_tau: float | None = Field(
+        None,
+        gt=0,
+        description="M2PO (arXiv 2510.01161): drop the tokens of largest (log w)^2 until the "
+        "mean (log w)^2 of those kept is at most this (0.04 in the paper), per micro-batch; "
+        "None = off",
+    )
+    lr_lag_decay: float = Field(
+        0.0,
+        ge=0,
+        description="staleness-aware step (areal.algo.stale_step): each step's lr is train.lr / "
+        "(1 + this * the mean version lag of its loss tokens), so raising max_staleness does not "
+        "silently raise the effective step; 1 = the delayed-gradient rule (data k versions old "
+        "steps 1/(1+k) as far); 0 = off",
     )
     loss: str = Field(
         "ppo",

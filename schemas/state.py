@@ -224,6 +224,15 @@ class StepRecord(BatchInfo):
     approx_kl: float = Field(0.0, description="k3 estimator, per kept token")
     entropy: float | None = Field(None, description="policy entropy per loss token (nats)")
     grad_norm: float = 0.0
+    behav_kl: float | None = Field(
+        None, description="k1 KL(behaviour || proximal) per loss token (nats): staleness cost"
+    )
+    behav_kl_k3: float | None = Field(
+        None, description="k3 KL(behaviour || proximal) per loss token (nats), >= 0"
+    )
+    behav_ess: float | None = Field(
+        None, description="normalised effective sample size of the behaviour weights, (0, 1]"
+    )
 
 
 class RunSummary(BaseModel):

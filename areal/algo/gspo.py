@@ -30,7 +30,13 @@ from __future__ import annotations
 
 import torch
 
-from areal.algo.loss import LossInput, LossSettings, PPOLossOutput, reduce_tokens
+from areal.algo.loss import (
+    LossInput,
+    LossSettings,
+    PPOLossOutput,
+    behav_stat_sums,
+    reduce_tokens,
+)
 
 __all__ = ["gspo_loss", "segment_mean"]
 
@@ -109,4 +115,5 @@ def gspo_loss(inp: LossInput, cfg: LossSettings) -> PPOLossOutput:
             entropy_sum=float(torch.where(m, ent.detach().to(logp.dtype), zero).sum().item())
             if ent is not None
             else 0.0,
+            **behav_stat_sums(inp.prox_logp, inp.behav_logp, m),
         )

@@ -12,7 +12,10 @@ exp(logp - behav_logp)``, ``w_t = 1``, no cap, ``prox_logp`` unused.
 Invariants:
 - All tensors are flat ``[N]`` over tokens; ``mask`` is bool or 0/1 float.
 - Only ``logp`` carries gradient; ``prox_logp``, ``behav_logp``, ``adv`` are treated as constants.
-- A token with ``w_t > behav_imp_weight_cap`` is dropped from the loss (not clipped).
+- ``w_t`` follows ``areal.algo.behav_weight``'s rule: by default a token with
+  ``w_t > behav_imp_weight_cap`` is dropped from the loss (not clipped); the level (token,
+  sequence, geometric mean), the mode (mask or truncate), a lower bound
+  (``behav_imp_weight_floor``) and M2PO's second-moment bound (``m2po_tau``) are settings.
 - ``loss = sum over kept tokens / loss_denominator``; the caller passes the minibatch's normaliser
   (`areal.algo.loss_norm`; by default its loss-mask token count), so micro-batch losses add up
   to the minibatch's loss. ``loss_denominator`` may also be ``[N]``, one per token.
@@ -24,6 +27,12 @@ Invariants:
   ``r = exp(logp - old_logp)``, ``k3 = (r - 1) - log r`` (unbiased for samples drawn from the old
   policy, and >= 0 for every token), with ``old_logp`` the PPO reference: ``prox_logp`` when
   decoupled, ``behav_logp`` otherwise.
+- Staleness diagnostics, over loss-mask tokens, from ``w = exp(prox_logp - behav_logp)``
+  whatever the objective does with it: ``behav_kl`` is the k1 estimate of KL(behav || prox),
+  the mean of ``behav_logp - prox_logp``; ``behav_kl_k3`` the k3 one, mean of
+  ``(w - 1) - log w`` (>= 0 token by token); ``behav_ess`` the normalised effective sample
+  size of the weights, ``(sum w)^2 / (n * sum w^2)`` in (0, 1] (1 = fresh data; the mean of w is
+  ~1 by construction and shows nothing). All 0 (ess 1) when ``prox_logp == behav_logp``.
 - ``entropy`` is the mean over loss-mask tokens of the current policy's per-token entropy, which
   the engine computes (no grad) from the same temperature-scaled distribution as ``logp``.
 """
@@ -36,12 +45,15 @@ from typing import Protocol
 
 import torch
 
+from areal.algo.behav_weight import behav_weights
+
 __all__ = [
     "LossInput",
     "LossOutput",
     "LossSettings",
     "PPOLossConfig",
     "PPOLossOutput",
+    "behav_stat_sums",
     "loglinear_prox_logp",
     "loss_stat_sums",
     "ppo_loss",
@@ -62,6 +74,16 @@ class LossSettings(Protocol):
     def eps_clip_high(self) -> float: ...
     @property
     def behav_imp_weight_cap(self) -> float | None: ...
+    @property
+    def behav_imp_weight_floor(self) -> float | None: ...
+    @property
+    def behav_imp_weight_level(self) -> str: ...
+    @property
+    def behav_imp_weight_mode(self) -> str: ...
+    @property
+    def m2po_tau(self) -> float | None: ...
+    @property
+    def lr_lag_decay(self) -> float: ...
     @property
     def decoupled(self) -> bool: ...
     @property
@@ -84,7 +106,12 @@ class LossSettings(Protocol):
 class PPOLossConfig:
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.2  # asymmetric allowed (DAPO clip-higher)
-    behav_imp_weight_cap: float | None = 5.0  # None = no cap
+    behav_imp_weight_cap: float | None = 5.0  # upper bound of w; None = none
+    behav_imp_weight_floor: float | None = None  # lower bound of w; None = none
+    behav_imp_weight_level: str = "token"  # token | sequence | geometric (`algo.behav_weight`)
+    behav_imp_weight_mode: str = "mask"  # mask (drop) | truncate (clamp) outside the bounds
+    m2po_tau: float | None = None  # M2PO's bound on the mean (log w)^2 of kept tokens; None = off
+    lr_lag_decay: float = 0.0  # staleness-aware step: lr / (1 + this * mean lag); 0 = off
     decoupled: bool = True  # False: standard PPO with logp_old = behav_logp
     loss: str = "ppo"  # objective: ppo | gspo | pkg.mod:fn (`areal.algo.registry`)
     loss_norm: str = "token"  # token | sequence | constant (`areal.algo.loss_norm`)
@@ -152,6 +179,28 @@ class PPOLossOutput:
     n_imp_masked: int  # tokens dropped because w_t > cap
     entropy_sum: float = 0.0  # sum over masked tokens of the policy entropy (0 if not given), nats
     kl_ref_sum: float | None = None  # sum over masked tokens of the KL to the reference; None: off
+    behav_kl_sum: float = 0.0  # sum over masked tokens of behav_logp - prox_logp (k1), nats
+    behav_kl_k3_sum: float = 0.0  # sum over masked tokens of (w - 1) - log w (k3), nats
+    imp_weight_sq_sum: float = 0.0  # sum over masked tokens of w^2 (the ESS's denominator)
+
+
+def behav_stat_sums(
+    prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """The staleness diagnostics' sums over loss-mask tokens (module docstring), for
+    ``PPOLossOutput``'s ``behav_kl_sum``, ``behav_kl_k3_sum`` and ``imp_weight_sq_sum``; tokens
+    outside ``mask`` count for nothing, even when they hold inf or NaN. A user objective passes
+    them on with ``dataclasses.replace(out, **behav_stat_sums(...))``."""
+    with torch.no_grad():
+        m = mask.bool()
+        zero = torch.zeros((), dtype=prox_logp.dtype, device=prox_logp.device)
+        log_w = torch.where(m, prox_logp.detach() - behav_logp.detach(), zero)  # [N]
+        w = torch.exp(log_w)
+        return {
+            "behav_kl_sum": float((-log_w).sum().item()),
+            "behav_kl_k3_sum": float((torch.expm1(log_w) - log_w).sum().item()),
+            "imp_weight_sq_sum": float(torch.where(m, w * w, zero).sum().item()),
+        }
 
 
 def ppo_loss(
@@ -163,12 +212,14 @@ def ppo_loss(
     cfg: LossSettings | PPOLossConfig,
     loss_denominator: float | torch.Tensor,
     entropy: torch.Tensor | None = None,
+    seq_ids: torch.Tensor | None = None,
 ) -> PPOLossOutput:
     """Decoupled (or standard) PPO clipped surrogate over flat ``[N]`` token tensors.
 
     ``loss_denominator``: one number (the batch's loss tokens by default) or ``[N]`` per token
     (``reduce_tokens``). ``entropy`` ``[N]`` (optional, no grad): the current policy's entropy
-    at each token, only summed into the stats.
+    at each token, only summed into the stats. ``seq_ids`` ``[N]``: each token's sequence, needed
+    by a sequence or geometric behaviour-weight level (one sequence when None).
     """
     n = logp.shape[0]
     others = [("prox_logp", prox_logp), ("behav_logp", behav_logp), ("adv", adv)]
@@ -187,15 +238,22 @@ def ppo_loss(
 
     if cfg.decoupled:
         old_logp = prox_logp.detach()
-        w = torch.exp(torch.where(m, old_logp - behav, zero))  # [N], 1 outside mask
-        imp_masked = (
-            m & (w > cfg.behav_imp_weight_cap)
-            if cfg.behav_imp_weight_cap is not None
-            else torch.zeros_like(m)
+        rule = behav_weights(
+            old_logp,
+            behav,
+            m,
+            seq_ids if seq_ids is not None else torch.zeros(n, dtype=torch.long),
+            level=cfg.behav_imp_weight_level,  # type: ignore[arg-type]
+            mode=cfg.behav_imp_weight_mode,  # type: ignore[arg-type]
+            low=cfg.behav_imp_weight_floor,
+            high=cfg.behav_imp_weight_cap,
+            m2po_tau=cfg.m2po_tau,
         )
+        w, imp_masked = rule.weight.to(logp.dtype), rule.dropped  # [N], 1 outside mask
+        w_raw = torch.exp(torch.where(m, old_logp - behav, zero))  # [N], for the stats
     else:
         old_logp = behav
-        w = torch.ones_like(logp).detach()
+        w = w_raw = torch.ones_like(logp).detach()
         imp_masked = torch.zeros_like(m)
     kept = m & ~imp_masked  # [N]
 
@@ -216,7 +274,7 @@ def ppo_loss(
         clipped = kept & (pg_loss2 > pg_loss1)
         log_r = log_ratio.detach()  # [N], 0 outside kept
         approx_kl = torch.expm1(log_r) - log_r  # k3 = (r - 1) - log r >= 0; 0 outside kept
-        w_in_mask = torch.where(m, w, zero)
+        w_in_mask = torch.where(m, w_raw, zero)
         ent_sum = (
             float(torch.where(m, entropy.detach().to(logp.device, logp.dtype), zero).sum().item())
             if entropy is not None
@@ -233,6 +291,7 @@ def ppo_loss(
             imp_weight_max=float(w_in_mask.max().item()) if n_tokens > 0 else 0.0,
             n_imp_masked=int(imp_masked.sum().item()),
             entropy_sum=ent_sum,
+            **behav_stat_sums(prox_logp, behav_logp, m),
         )
 
 
@@ -251,6 +310,7 @@ def ppo_objective(inp: LossInput, cfg: LossSettings) -> PPOLossOutput:
         cfg,
         inp.loss_denominator,
         entropy=inp.entropy,
+        seq_ids=inp.seq_ids,
     )
 
 
@@ -266,6 +326,9 @@ def loss_stat_sums(outs: Sequence[PPOLossOutput]) -> dict[str, float]:
         "imp_weight_sum": float(sum(o.imp_weight_sum for o in outs)),
         "n_imp_masked": float(sum(o.n_imp_masked for o in outs)),
         "entropy_sum": float(sum(o.entropy_sum for o in outs)),
+        "behav_kl_sum": float(sum(o.behav_kl_sum for o in outs)),
+        "behav_kl_k3_sum": float(sum(o.behav_kl_k3_sum for o in outs)),
+        "imp_weight_sq_sum": float(sum(o.imp_weight_sq_sum for o in outs)),
     } | (
         {"kl_ref_sum": float(sum(o.kl_ref_sum or 0.0 for o in outs))}
         if any(o.kl_ref_sum is not None for o in outs)
@@ -285,6 +348,7 @@ def stats_from_sums(sums: dict[str, float], imp_weight_max: float) -> dict[str, 
         return float(num) / den if den > 0 else 0.0
 
     n_tokens, n_kept = sums["n_tokens"], sums["n_kept"]
+    w_sum, w_sq = sums["imp_weight_sum"], sums.get("imp_weight_sq_sum", 0.0)
     return {
         "loss": sums["loss"],
         "clipfrac": frac(sums["clip_count"], n_kept),
@@ -293,6 +357,9 @@ def stats_from_sums(sums: dict[str, float], imp_weight_max: float) -> dict[str, 
         "behav_imp_weight_mean": frac(sums["imp_weight_sum"], n_tokens),
         "behav_imp_weight_max": float(imp_weight_max),
         "behav_imp_weight_masked_frac": frac(sums["n_imp_masked"], n_tokens),
+        "behav_kl": frac(sums.get("behav_kl_sum", 0.0), n_tokens),
+        "behav_kl_k3": frac(sums.get("behav_kl_k3_sum", 0.0), n_tokens),
+        "behav_ess": frac(w_sum * w_sum, n_tokens * w_sq) if w_sq > 0 else 1.0,
         "n_tokens": n_tokens,
     } | ({"kl_ref": frac(sums["kl_ref_sum"], n_tokens)} if "kl_ref_sum" in sums else {})
 

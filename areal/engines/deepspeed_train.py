@@ -72,6 +72,7 @@ from areal.engines.torch_train import (
     microbatch_loss,
     minibatch_normaliser,
     minibatch_prox_mode,
+    set_step_lr,
     split_contiguous,
 )
 
@@ -92,6 +93,9 @@ _ROW = (
     "n_imp_masked",
     "entropy_sum",
     "kl_ref_sum",  # 0 when kl_coef is 0 (`_output` gives None then)
+    "behav_kl_sum",
+    "behav_kl_k3_sum",
+    "imp_weight_sq_sum",
 )
 
 
@@ -315,6 +319,7 @@ class DeepSpeedTrainEngine:
         cfg = self.cfg.loss_cfg
         chunks = [c for c in split_contiguous(seqs, self.cfg.n_minibatches) if c]
         fill_prox_logp(chunks, cfg, self.cfg.prox_logp, self.compute_logp, max_tokens_per_mb)
+        set_step_lr(self.optimizer, seqs, base_lr=self.cfg.lr, version=self.version, cfg=cfg)
         plans = [self._plan(chunk, max_tokens_per_mb) for chunk in chunks]
         set_lora_dropout(self.module, True)  # the loss forwards only (a no-op without lora)
         n_rows = sum(len(p) for p in plans)

@@ -69,6 +69,7 @@ from areal.engines.torch_train import (
     microbatch_loss,
     minibatch_normaliser,
     minibatch_prox_mode,
+    set_step_lr,
     split_contiguous,
 )
 
@@ -178,6 +179,9 @@ class FSDPTrainEngine:
         check_seqs(seqs)
         chunks = [c for c in split_contiguous(seqs, self.n_minibatches) if c]
         fill_prox_logp(chunks, self.loss_cfg, self.prox_logp, self.compute_logp, max_tokens_per_mb)
+        set_step_lr(
+            self.optimizer, seqs, base_lr=self.cfg.lr, version=self.version, cfg=self.loss_cfg
+        )
         totals = _StepTotals()
         set_lora_dropout(self.model, True)  # the loss forwards only (a no-op without lora)
         for k, chunk in enumerate(chunks):

@@ -39,6 +39,7 @@ from areal.algo.loss import (
 )
 from areal.algo.loss_norm import Normaliser
 from areal.algo.registry import compute_loss
+from areal.algo.stale_step import lr_scale, mean_token_lag
 from areal.engines.base import TrainSeq
 from areal.engines.config import TrainEngineConfig
 from areal.engines.hf_io import export_plain
@@ -135,6 +136,7 @@ class TorchTrainEngine:
         check_seqs(seqs)
         chunks = [c for c in split_contiguous(seqs, self.n_minibatches) if c]
         fill_prox_logp(chunks, cfg, self.prox_logp, self.compute_logp, max_tokens_per_mb)
+        set_step_lr(self.optimizer, seqs, base_lr=self.cfg.lr, version=self.version, cfg=cfg)
         set_lora_dropout(self.model, True)  # the loss forwards only (a no-op without lora)
         outs, grad_norms, skipped = [], [], 0
         n_mb, tokens, padded_tokens = 0, 0, 0
@@ -338,6 +340,25 @@ def fill_prox_logp(
     if later:
         for s, lp in zip(later, compute_logp(later, max_tokens_per_mb), strict=True):
             s.prox_logp = lp
+
+
+def set_step_lr(
+    optimizer: torch.optim.Optimizer,
+    seqs: list[TrainSeq],
+    *,
+    base_lr: float,
+    version: int,
+    cfg: LossSettings,
+) -> float:
+    """Set every param group's lr for this step (`areal.algo.stale_step`: ``base_lr`` scaled
+    down by the mean lag of the step's loss tokens behind ``version``); returns it."""
+    scale = lr_scale(
+        mean_token_lag([s.versions for s in seqs], [s.loss_mask for s in seqs], version),
+        cfg.lr_lag_decay,
+    )
+    for group in optimizer.param_groups:
+        group["lr"] = base_lr * scale
+    return base_lr * scale
 
 
 def minibatch_prox_mode(cfg: LossSettings, prox_mode: str, k: int) -> str:

@@ -237,6 +237,12 @@ def staleness_panel(st: RunState, now: float) -> Panel:
         f"last step max {_num(last.get('staleness_max'))}  "
         f"dropped_stale {_num(last.get('dropped_stale'))}"
     )
+    if "behav_kl_k3" in last:  # what the lag cost the last step (`areal.algo.loss` docstring)
+        lines.append(
+            f"behav KL k3 {_num(last.get('behav_kl_k3'))}  ESS {_num(last.get('behav_ess'))}  "
+            f"capped {_num(last.get('behav_imp_weight_masked_frac'))}  "
+            f"clipped {_num(last.get('clipfrac'))}"
+        )
     return Panel(Text("\n".join(lines)), title="Staleness")
 
 

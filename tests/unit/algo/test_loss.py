@@ -10,6 +10,7 @@ import torch
 from areal.algo.loss import (
     PPOLossConfig,
     PPOLossOutput,
+    behav_stat_sums,
     loglinear_prox_logp,
     loss_stat_sums,
     ppo_loss,
@@ -320,8 +321,16 @@ def test_reduce_loss_stats_hand_values() -> None:
     # kept 3 + 1 = 4, clip 1 + 1 = 2 -> clipfrac 0.5; kl (0.4 + 0.2) / 4 = 0.15
     # tokens 4 + 2 = 6, w sum (4 + 8) / 6 = 2; masked 0 + 1 -> 1/6; max(2, 7) = 7
     # entropy per masked token (not per kept): (2.4 + 0.6) / 6 = 0.5
-    a = PPOLossOutput(torch.tensor(-0.25), 4, 3, 1.0, 0.4, 4.0, 2.0, 0, entropy_sum=2.4)
-    b = PPOLossOutput(torch.tensor(0.5), 2, 1, 1.0, 0.2, 8.0, 7.0, 1, entropy_sum=0.6)
+    # behav_kl (0.3 + 0.3) / 6 = 0.1; k3 (0.06 + 0.24) / 6 = 0.05;
+    # ess = (sum w)^2 / (n sum w^2) = 12^2 / (6 * (5 + 70)) = 144 / 450 = 0.32
+    a = PPOLossOutput(
+        torch.tensor(-0.25), 4, 3, 1.0, 0.4, 4.0, 2.0, 0, entropy_sum=2.4,
+        behav_kl_sum=0.3, behav_kl_k3_sum=0.06, imp_weight_sq_sum=5.0,
+    )  # fmt: skip
+    b = PPOLossOutput(
+        torch.tensor(0.5), 2, 1, 1.0, 0.2, 8.0, 7.0, 1, entropy_sum=0.6,
+        behav_kl_sum=0.3, behav_kl_k3_sum=0.24, imp_weight_sq_sum=70.0,
+    )  # fmt: skip
     stats = reduce_loss_stats([a, b])
     assert stats == pytest.approx(
         {
@@ -332,9 +341,39 @@ def test_reduce_loss_stats_hand_values() -> None:
             "behav_imp_weight_mean": 2.0,
             "behav_imp_weight_max": 7.0,
             "behav_imp_weight_masked_frac": 1 / 6,
+            "behav_kl": 0.1,
+            "behav_kl_k3": 0.05,
+            "behav_ess": 0.32,
             "n_tokens": 6.0,
         }
     )
+
+
+def test_staleness_diagnostics_hand_values() -> None:
+    # two loss tokens with prox - behav = +ln 2 and -ln 2: w = 2 and 0.5
+    #   k1: behav - prox = -ln 2 + ln 2 = 0 -> behav_kl 0 (k1 cancels; k3 does not)
+    #   k3: (2 - 1 - ln 2) + (0.5 - 1 + ln 2) = 0.5 -> behav_kl_k3 0.25
+    #   ess: (2 + 0.5)^2 / (2 * (4 + 0.25)) = 6.25 / 8.5 = 0.7352941
+    # a third token outside the mask holds NaN and counts for nothing
+    behav = t64(-1.0, -1.0, float("nan"))
+    prox = t64(-1.0 + LN(2.0), -1.0 - LN(2.0), 0.0)
+    mask = torch.tensor([True, True, False])
+    sums = behav_stat_sums(prox, behav, mask)
+    assert sums == pytest.approx(
+        {"behav_kl_sum": 0.0, "behav_kl_k3_sum": 0.5, "imp_weight_sq_sum": 4.25}, abs=1e-12
+    )
+    out = ppo_loss(prox, prox, behav, t64(1.0, -1.0, 0.0), mask, PPOLossConfig(), 2.0)
+    stats = reduce_loss_stats([out])
+    assert stats["behav_kl"] == pytest.approx(0.0, abs=1e-12)
+    assert stats["behav_kl_k3"] == pytest.approx(0.25)
+    assert stats["behav_ess"] == pytest.approx(0.7352941, abs=1e-7)
+    # fresh data (prox == behav): no divergence, every sample counts (ess 1)
+    fresh = reduce_loss_stats([ppo_loss(prox, prox, prox, t64(1.0, 1.0, 0.0), mask,
+                                        PPOLossConfig(), 2.0)])  # fmt: skip
+    assert (fresh["behav_kl"], fresh["behav_kl_k3"], fresh["behav_ess"]) == (0.0, 0.0, 1.0)
+    # no token at all: the stats are defined (ess 1, nothing diverged)
+    empty = reduce_loss_stats([])
+    assert (empty["behav_kl"], empty["behav_kl_k3"], empty["behav_ess"]) == (0.0, 0.0, 1.0)
 
 
 def test_stats_from_sums_is_reduce_of_the_totals() -> None:
@@ -410,13 +449,17 @@ def test_reduce_loss_stats_empty_and_zero_tokens() -> None:
         "behav_imp_weight_mean",
         "behav_imp_weight_max",
         "behav_imp_weight_masked_frac",
+        "behav_kl",
+        "behav_kl_k3",
+        "behav_ess",
         "n_tokens",
     }
     empty = reduce_loss_stats([])
-    assert set(empty) == keys and all(v == 0.0 for v in empty.values())
+    # every stat 0, except the ESS: with no weight at all nothing is degenerate (1 = fresh)
+    assert set(empty) == keys and all(v == (k == "behav_ess") for k, v in empty.items())
     zero = ppo_loss(t64(-1.0), t64(-1.0), t64(-1.0), t64(1.0), torch.zeros(1), PPOLossConfig(), 0.0)
     stats = reduce_loss_stats([zero, zero])
-    assert all(v == 0.0 and math.isfinite(v) for v in stats.values())
+    assert all(v == (k == "behav_ess") and math.isfinite(v) for k, v in stats.items())
 
 
 def test_rejects_bad_shapes_and_denominator() -> None:

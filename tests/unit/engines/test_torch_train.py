@@ -341,3 +341,18 @@ def test_snapshot_written_after_more_training_is_the_snapshot_time_state(model_d
 def test_missing_checkpoint_is_a_clear_error(model_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train_engine(model_dir).load_checkpoint(str(tmp_path / "nope.pt"))
+
+
+def test_the_staleness_aware_step_scales_the_lr_by_the_data_lag(model_dir):
+    # algo.lr_lag_decay 0.5: a step at engine version 0 on fresh data steps at lr; two steps
+    # later, data generated at version 0 (lag 2 on every token) steps at lr / (1 + 0.5 * 2)
+    eng = train_engine(model_dir, lr=1e-2, loss_cfg=PPOLossConfig(lr_lag_decay=0.5))
+    assert eng.train_step(with_behav(eng, make_seqs()), 64)["lr"] == pytest.approx(1e-2)
+    eng.train_step(with_behav(eng, make_seqs()), 64)
+    stale = with_behav(eng, make_seqs())  # versions stay 0: two versions old now
+    assert eng.version == 2
+    assert eng.train_step(stale, 64)["lr"] == pytest.approx(1e-2 / 2)
+    # off (the default): the configured lr whatever the lag
+    plain = train_engine(model_dir, lr=1e-2)
+    plain.version = 3
+    assert plain.train_step(with_behav(plain, make_seqs()), 64)["lr"] == pytest.approx(1e-2)

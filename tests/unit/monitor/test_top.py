@@ -36,7 +36,17 @@ def test_every_panel_renders_from_an_empty_state():
 def test_panels_show_real_numbers():
     st = RunState(run_id="demo")
     for n in range(1, 4):
-        st.fold(step(n, float(n), staleness_hist={"0": 60, "2": 4}))
+        st.fold(
+            step(
+                n,
+                float(n),
+                staleness_hist={"0": 60, "2": 4},
+                behav_kl_k3=0.0123,
+                behav_ess=0.875,
+                behav_imp_weight_masked_frac=0.01,
+                clipfrac=0.05,
+            )
+        )
     st.fold(
         beat("rollout-0", 1003.0, samples=10, tokens=20, busy_frac=0.2, version=2, inflight_tasks=3)
     )
@@ -56,6 +66,7 @@ def test_panels_show_real_numbers():
     assert "step rate 1/s" in out
     assert "rollout-0" in out and "controller-0" in out and "inflight_tasks=3" in out
     assert "lag  2" in out and "12" in out  # 3 steps x 4 samples at lag 2
+    assert "behav KL k3 0.0123  ESS 0.875  capped 0.01  clipped 0.05" in out
     assert "capacity 40" in out
     assert "prompts" in out
     assert "rollout  " in out and "80%" in out  # idle = 1 - 0.2
